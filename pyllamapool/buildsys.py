@@ -1,0 +1,212 @@
+"""Configure, compile and install the patched llama.cpp for one target (cpu, cuda, hip, vulkan)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import paths
+from .errors import BuildError, PyllamapoolError, ToolchainError
+from .runner import Runner
+
+TARGETS = ("cpu", "cuda", "hip", "vulkan")
+#: Short forms people type: the HIP target plus its GPU arch.
+TARGET_ALIASES = {"gfx906": ("hip", "gfx906"), "rocm": ("hip", None)}
+DEFAULT_BUILD_TARGETS = ("llama", "llama-common", "ggml", "ggml-base", "ggml-cpu", "ggml-rpc",
+                         "llama-server", "llama-cli", "llama-bench", "llama-quantize",
+                         "ggml-rpc-server", "pyllamapool-cdef")
+
+_CUDA_ARCH = re.compile(r"^(native|all|all-major|\d{2,3}[a-z]?(-real|-virtual)?)$")
+_HIP_ARCH = re.compile(r"^gfx[0-9a-f]{3,4}(:[a-z0-9+-]+)*$")
+
+
+@dataclass
+class BuildConfig:
+    target: str
+    arch: str | None
+    build_dir: Path
+    jobs: int | None
+    cmake_flags: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    #: what is missing on this machine, each with what to install; empty when ready
+    problems: list[str] = field(default_factory=list)
+
+
+def parse_target(target: str, arch: str | None) -> tuple[str, str | None]:
+    name = target.lower()
+    if name in TARGET_ALIASES:
+        backend, implied = TARGET_ALIASES[name]
+        if arch and implied and arch != implied:
+            raise PyllamapoolError(f"--target {target} implies --arch {implied}, got --arch {arch}")
+        return backend, arch or implied
+    if name not in TARGETS:
+        valid = ", ".join([*TARGETS, *TARGET_ALIASES])
+        raise PyllamapoolError(f"unknown target {target!r}; valid targets: {valid}")
+    return name, arch
+
+
+def normalize_arch(backend: str, arch: str | None) -> str | None:
+    if arch is None:
+        return None
+    if backend in ("cpu", "vulkan"):
+        raise PyllamapoolError(f"--arch {arch!r} applies only to --target cuda or hip")
+    parts = [p for p in re.split(r"[;,\s]+", arch) if p]
+    pattern, example = ((_CUDA_ARCH, "86, 86;90, native") if backend == "cuda"
+                        else (_HIP_ARCH, "gfx906, gfx906;gfx1100"))
+    bad = [p for p in parts if not pattern.match(p)]
+    if bad or not parts:
+        raise PyllamapoolError(f"invalid {backend} arch {arch!r}: accepted are e.g. {example}")
+    return ";".join(parts)
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name)
+
+
+def _hipconfig(flag: str) -> str | None:
+    exe = _which("hipconfig")
+    if not exe:
+        return None
+    try:
+        return subprocess.run([exe, flag], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _find_nvcc() -> str | None:
+    for candidate in (os.environ.get("CUDACXX"), _which("nvcc"),
+                      os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def _vulkan_header_version() -> tuple[int, int, int] | None:
+    for inc in (os.environ.get("Vulkan_INCLUDE_DIR"), "/usr/include", "/usr/local/include"):
+        header = Path(inc or "") / "vulkan" / "vulkan_core.h"
+        if inc and header.exists():
+            m = re.search(r"VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(0, (\d+), (\d+), VK_HEADER_VERSION\)",
+                          header.read_text(errors="replace"))
+            patch = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace"))
+            if m and patch:
+                return int(m.group(1)), int(m.group(2)), int(patch.group(1))
+    return None
+
+
+def configure_target(target: str, arch: str | None = None, build_dir: Path | None = None,
+                     jobs: int | None = None) -> BuildConfig:
+    backend, arch = parse_target(target, arch)
+    arch = normalize_arch(backend, arch)
+    if jobs is not None and jobs < 1:
+        raise PyllamapoolError(f"--jobs {jobs}: must be 1 or more")
+    name = backend if not arch else f"{backend}-{arch.replace(';', '_')}"
+    cfg = BuildConfig(backend, arch, Path(build_dir) if build_dir else paths.default_build_dir(name),
+                      jobs)
+    cfg.cmake_flags = ["-DCMAKE_BUILD_TYPE=Release", "-DPYLLAMAPOOL_PREPARE=OFF",
+                       f"-DPYLLAMAPOOL_TARGET={backend}", "-DGGML_RPC=ON"]
+    for tool, hint in (("cmake", "pip install cmake"), ("ninja", "pip install ninja")):
+        if not _which(tool):
+            cfg.problems.append(f"{tool} not found ({hint})")
+    if not (_which("c++") or _which("g++") or _which("clang++")):
+        cfg.problems.append("no C++ compiler found (apt-get install g++)")
+    if backend == "cuda":
+        cfg.cmake_flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch or 'native'}"]
+        nvcc = _find_nvcc()
+        if not nvcc:
+            cfg.problems.append("nvcc not found: install the CUDA toolkit (12.x or newer, with cuBLAS), "
+                                "or set CUDACXX to nvcc's path")
+        else:
+            cfg.cmake_flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+    elif backend == "hip":
+        cfg.cmake_flags += ["-DGGML_HIP=ON", f"-DGPU_TARGETS={arch or 'gfx906'}"]
+        clang_dir, hip_path = _hipconfig("-l"), _hipconfig("-R")
+        if clang_dir and hip_path:
+            cfg.env = {"HIPCXX": f"{clang_dir}/clang", "HIP_PATH": hip_path}
+        else:
+            cfg.env = {"HIPCXX": "$(hipconfig -l)/clang", "HIP_PATH": "$(hipconfig -R)"}
+            cfg.problems.append("hipconfig not found: install ROCm 6.1 or newer with rocBLAS and hipBLAS "
+                                "(for gfx906 use the 6.3 line: 6.4+ rocBLAS ships no gfx906 kernels)")
+    elif backend == "vulkan":
+        cfg.cmake_flags.append("-DGGML_VULKAN=ON")
+        if not _which("glslc"):
+            cfg.problems.append("glslc not found (apt-get install glslc)")
+        version = _vulkan_header_version()
+        if version is None:
+            cfg.problems.append("Vulkan headers not found (apt-get install libvulkan-dev, or set "
+                                "Vulkan_INCLUDE_DIR)")
+        elif version < (1, 3, 275):
+            cfg.problems.append(
+                f"Vulkan headers {'.'.join(map(str, version))} are too old for this llama.cpp "
+                "(Debian 12 ships 1.3.239): unpack Debian trixie's libvulkan-dev and spirv-headers "
+                ".debs with `dpkg -x` into a prefix and set Vulkan_INCLUDE_DIR=<prefix>/usr/include")
+        inc = os.environ.get("Vulkan_INCLUDE_DIR")
+        if inc:
+            cfg.cmake_flags.append(f"-DVulkan_INCLUDE_DIR={inc}")
+    if _which("ccache"):
+        cfg.cmake_flags.append("-DGGML_CCACHE=ON")
+    return cfg
+
+
+def _build_targets(cfg: BuildConfig) -> list[str]:
+    listing = cfg.build_dir / "pyllamapool-targets.txt"
+    if listing.exists():
+        return listing.read_text().split()
+    return list(DEFAULT_BUILD_TARGETS)
+
+
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def _compile(argv: list[str], runner: Runner, env: dict[str, str]) -> None:
+    runner.show(argv)
+    if runner.dry_run:
+        return
+    tail: deque[str] = deque(maxlen=60)
+    with Progress(TextColumn("compile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("[dim]{task.description}"), console=runner.console,
+                  transient=True) as progress:
+        task = progress.add_task("", total=None)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **env}, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            m = _NINJA_PROGRESS.match(line)
+            if m:
+                what = line[m.end():].strip().rsplit("/", 1)[-1][:50]
+                progress.update(task, completed=int(m.group(1)), total=int(m.group(2)),
+                                description=what)
+        rc = proc.wait()
+    if rc != 0:
+        raise BuildError("compile failed:\n" + "\n".join(tail))
+
+
+def build(cfg: BuildConfig, runner: Runner, *, prepare_tree=None) -> Path:
+    """Run the whole build; returns the folder the libraries were installed into."""
+    root = paths.project_root()
+    if cfg.problems:
+        text = "toolchain missing for --target " + cfg.target + ":\n  " + "\n  ".join(cfg.problems)
+        if not runner.dry_run:
+            raise ToolchainError(text)
+        runner.note(text.replace("\n", "\n# ") + "\n# (dry run: continuing to show the commands)")
+    if prepare_tree is not None:
+        prepare_tree()
+    env = {k: v for k, v in cfg.env.items()}
+    configure = ["cmake", "-S", str(root), "-B", str(cfg.build_dir), "-G", "Ninja", *cfg.cmake_flags]
+    result = runner.run(configure, env=env, capture=True, check=False)
+    if result.returncode != 0:
+        out = (result.stdout + result.stderr).strip().splitlines()
+        raise BuildError("cmake configure failed:\n" + "\n".join(out[-40:]))
+    argv = ["cmake", "--build", str(cfg.build_dir), "--target", *_build_targets(cfg)]
+    if cfg.jobs:
+        argv += ["-j", str(cfg.jobs)]
+    _compile(argv, runner, env)
+    runner.run(["cmake", "--install", str(cfg.build_dir), "--component", "pyllamapool",
+                "--prefix", str(root)], capture=True)
+    return paths.installed_lib_dir()

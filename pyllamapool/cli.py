@@ -1,0 +1,264 @@
+"""`pyllamapool`: one entry point for building, inspecting, running and tracing."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import PyllamapoolError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+LAUNCHERS = {"server": "llama-server", "cli": "llama-cli", "bench": "llama-bench",
+             "rpc-server": "ggml-rpc-server", "quantize": "llama-quantize"}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    """The llama.cpp offload flags, spelled as llama.cpp spells them."""
+    p.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=int, default=0,
+                   help="layers to offload to the accelerator / RPC device (-1 or 99: all)")
+    p.add_argument("--rpc", default="", help="comma-separated RPC servers HOST:PORT")
+    p.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=_non_negative, default=0,
+                   help="keep the routed experts of the first N layers in host memory")
+    p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
+                   help="keep all routed experts in host memory")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=_positive, default=1024)
+    p.add_argument("-t", "--threads", dest="n_threads", type=_positive)
+
+
+def _run_config(args):
+    from .decode import RunConfig
+    rpc = tuple(e for e in args.rpc.split(",") if e)
+    return RunConfig(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe,
+                     cpu_moe=args.cpu_moe, n_ctx=args.n_ctx, n_threads=args.n_threads,
+                     greedy=getattr(args, "temp", 0.0) <= 0, seed=getattr(args, "seed", 0),
+                     temperature=max(getattr(args, "temp", 0.8), 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_build(argv: list[str]) -> int:
+    from .driver import main as driver_main
+    return driver_main(argv, prog="pyllamapool build")
+
+
+def cmd_info(args) -> int:
+    from . import _ffi
+    from .manifest import check_current, read_manifest
+
+    try:
+        where = _ffi.locate()
+    except PyllamapoolError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return 2
+    manifest = read_manifest(where.lib_dir) or {}
+    if args.json:
+        from .llama import devices
+        print(json.dumps({"lib_dir": str(where.lib_dir), "manifest": manifest,
+                          "devices": [asdict(d) for d in devices()]}, indent=2))
+        return 0
+    table = Table(title="build manifest", show_header=False)
+    table.add_row("libraries", str(where.lib_dir))
+    for key, value in manifest.items():
+        table.add_row(key, ", ".join(value) if isinstance(value, list) else
+                      json.dumps(value) if isinstance(value, dict) else str(value))
+    console.print(table)
+    stale = check_current(manifest)
+    if stale:
+        console.print(f"[yellow]warning:[/yellow] {stale}")
+    from .llama import devices
+    dev_table = Table(title="devices")
+    for col in ("#", "name", "description", "type", "free MiB", "total MiB"):
+        dev_table.add_column(col)
+    for d in devices():
+        dev_table.add_row(str(d.index), d.name, d.description, d.kind, f"{d.free_bytes >> 20}",
+                          f"{d.total_bytes >> 20}")
+    console.print(dev_table)
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from .testmodel import ModelSpec, write_model
+    spec = ModelSpec(arch=args.arch, n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
+                     n_head_kv=args.heads_kv, n_expert=args.experts, n_expert_used=args.top_k,
+                     n_ff_exp=args.ff, n_vocab=args.vocab, expert_type=args.type.upper(),
+                     n_topics=args.topics, zipf=args.zipf, seed=args.seed)
+    path = write_model(spec, Path(args.output))
+    console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {spec.arch}, {spec.n_layer} "
+                  f"layers, {spec.n_expert} experts top-{spec.n_expert_used}, {spec.expert_type} experts")
+    return 0
+
+
+def _prompt_tokens(args, model) -> list[int]:
+    if args.tokens:
+        return _int_list(args.tokens)
+    if args.prompt is not None:
+        return model.tokenize(args.prompt)
+    return [1]
+
+
+def cmd_run(args) -> int:
+    from .decode import run
+    from .llama import Model
+
+    cfg = _run_config(args)
+    model = Model(args.model, n_gpu_layers=cfg.n_gpu_layers, rpc=cfg.rpc, n_cpu_moe=cfg.n_cpu_moe,
+                  cpu_moe=cfg.cpu_moe)
+    prompt = _prompt_tokens(args, model)
+    teacher = _int_list(args.teacher) if args.teacher else None
+    result = run(model, prompt, args.n_predict, config=cfg, teacher_tokens=teacher)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    table = Table(title=f"{Path(args.model).name}: {result.mode}", show_header=False)
+    table.add_row("prompt tokens", str(len(result.prompt_tokens)))
+    table.add_row("tokens", " ".join(map(str, result.tokens[:64])) + (" ..." if len(result.tokens) > 64 else ""))
+    table.add_row("text", result.text[:200])
+    table.add_row("prefill t/s", f"{result.prefill_tokens_per_s:.1f}")
+    table.add_row("decode t/s", f"{result.decode_tokens_per_s:.1f}")
+    console.print(table)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from .llama import Model
+    from .testmodel import ModelSpec, StreamSpec, token_stream
+    from .trace import locality, record_trace
+
+    cfg = _run_config(args)
+    model = Model(args.model, n_gpu_layers=cfg.n_gpu_layers, rpc=cfg.rpc, n_cpu_moe=cfg.n_cpu_moe,
+                  cpu_moe=cfg.cpu_moe)
+    spec_json = model.meta("pyllamapool.model_spec")
+    spec = ModelSpec(**json.loads(spec_json)) if spec_json else ModelSpec(n_vocab=model.n_vocab)
+    stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 1, seed=args.seed))
+    trace = record_trace(model, stream[:1], stream[1:], n_ctx=max(args.n_ctx, args.n_tokens + 8),
+                         meta={"stream_seed": args.seed})
+    out = trace.save(args.output)
+    loc = locality(trace)
+    console.print(f"wrote {out}: {trace.n_tokens} tokens x {len(trace.layers)} MoE layers, top-{trace.top_k} "
+                  f"of {trace.n_expert}")
+    console.print(f"top-25% experts carry {sum(loc.top_quarter_share) / len(loc.top_quarter_share):.0%} "
+                  f"of selections; reuse from previous token {loc.reuse_prev:.0%}, within {loc.window} "
+                  f"tokens {loc.reuse_window:.0%}")
+    return 0
+
+
+def launch(tool: str, argv: list[str]) -> int:
+    """exec the patched binary with the user's arguments, unchanged."""
+    from .tools import tool_path
+    path = tool_path(tool)
+    os.execv(path, [str(path), *argv])
+    return 0  # not reached
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyllamapool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("build", help="build the patched llama.cpp (same as python build.py ...)",
+                   add_help=False)
+    p = sub.add_parser("info", help="the build manifest and the devices llama.cpp sees")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    from .testmodel import ARCHITECTURES, EXPERT_TYPES, ModelSpec
+    d = ModelSpec()
+    p = sub.add_parser("make-model", help="write a tiny deterministic MoE GGUF with routing locality")
+    p.add_argument("output", help="path of the .gguf to write")
+    p.add_argument("--arch", choices=ARCHITECTURES, default=d.arch)
+    p.add_argument("--layers", type=_positive, default=d.n_layer)
+    p.add_argument("--experts", type=_positive, default=d.n_expert)
+    p.add_argument("--top-k", type=_positive, default=d.n_expert_used)
+    p.add_argument("--embd", type=_positive, default=d.n_embd)
+    p.add_argument("--heads", type=_positive, default=d.n_head)
+    p.add_argument("--heads-kv", type=_positive, default=d.n_head_kv)
+    p.add_argument("--ff", type=_positive, default=d.n_ff_exp, help="expert FFN width")
+    p.add_argument("--vocab", type=_positive, default=d.n_vocab)
+    p.add_argument("--type", default=d.expert_type, help=f"expert storage: {', '.join(EXPERT_TYPES)}")
+    p.add_argument("--topics", type=_positive, default=d.n_topics, help="token topics (routing locality)")
+    p.add_argument("--zipf", type=float, default=d.zipf, help="expert popularity skew")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("run", help="scripted decode: free generation or teacher-forced replay")
+    p.add_argument("model")
+    p.add_argument("-p", "--prompt", help="prompt text")
+    p.add_argument("--tokens", help="prompt as comma-separated token ids")
+    p.add_argument("--teacher", help="teacher-forced stream: comma-separated token ids, one per step")
+    p.add_argument("-n", "--n-predict", type=_non_negative, default=32)
+    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy; > 0 = seeded sampling")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    add_offload_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("trace", help="record routing (per token, per MoE layer) to .npz")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", default="trace.npz")
+    p.add_argument("-n", "--n-tokens", type=_positive, default=256)
+    p.add_argument("--seed", type=int, default=0, help="token stream seed")
+    add_offload_args(p)
+    p.set_defaults(func=cmd_trace)
+
+    for name, tool in LAUNCHERS.items():
+        sub.add_parser(name, help=f"run the patched {tool} with your arguments", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "build":
+            return cmd_build(argv[1:])
+        if argv and argv[0] in LAUNCHERS:
+            return launch(LAUNCHERS[argv[0]], argv[1:])
+        parser = make_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        return int(args.func(args) or 0)
+    except PyllamapoolError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Scripted decode runs: free generation, or teacher-forced replay of a token stream.
+
+Teacher forcing feeds a given stream one token per step whatever the model predicts, so routing is
+controlled and two runs (pool on / off, different slot counts) see exactly the same inputs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PyllamapoolError
+from .llama import Context, Model, Sampler
+
+
+@dataclass
+class RunConfig:
+    """How to load and run: offload settings plus decode settings."""
+    n_gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()
+    n_cpu_moe: int = 0
+    cpu_moe: bool = False
+    n_ctx: int = 1024
+    n_batch: int = 512
+    n_threads: int | None = None
+    greedy: bool = True
+    seed: int = 0
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass
+class RunResult:
+    mode: str                          # "generate" or "teacher-forced"
+    prompt_tokens: list[int]
+    tokens: list[int]                  # generated (generate) or predicted per step (teacher-forced)
+    text: str
+    step_latency_ms: list[float]
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    #: per step, the logits after the step (kept only when asked: they are large)
+    logits: list[np.ndarray] | None = field(default=None, repr=False)
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.pop("logits")
+        return data
+
+
+def _rate(n: int, ms: float) -> float:
+    return n / (ms / 1000.0) if ms > 0 else 0.0
+
+
+def run_context(ctx: Context, prompt: Sequence[int], n_predict: int = 32, *,
+                teacher_tokens: Sequence[int] | None = None, sampler: Sampler | None = None,
+                keep_logits: bool = False, on_step=None) -> RunResult:
+    """Prefill prompt, then decode n_predict steps (or one step per teacher token)."""
+    if not prompt:
+        raise PyllamapoolError("the prompt must hold at least one token")
+    sampler = sampler or Sampler(greedy=True)
+    ctx.perf_reset()
+    t0 = time.perf_counter()
+    ctx.decode(list(prompt))
+    prefill_ms = (time.perf_counter() - t0) * 1000.0
+    logits_out: list[np.ndarray] = []
+    if keep_logits:
+        logits_out.append(ctx.logits())
+    predicted: list[int] = []
+    latency: list[float] = []
+    steps = list(teacher_tokens) if teacher_tokens is not None else None
+    n_steps = len(steps) if steps is not None else n_predict
+    next_tok = sampler.sample(ctx)
+    for i in range(n_steps):
+        predicted.append(next_tok)
+        feed = steps[i] if steps is not None else next_tok
+        t = time.perf_counter()
+        ctx.decode([feed])
+        latency.append((time.perf_counter() - t) * 1000.0)
+        if keep_logits:
+            logits_out.append(ctx.logits())
+        next_tok = sampler.sample(ctx)
+        if on_step is not None:
+            on_step(i)
+    decode_ms = sum(latency)
+    return RunResult(
+        mode="teacher-forced" if steps is not None else "generate",
+        prompt_tokens=list(prompt), tokens=predicted, text=ctx.model.detokenize(predicted),
+        step_latency_ms=latency, prefill_tokens_per_s=_rate(len(prompt), prefill_ms),
+        decode_tokens_per_s=_rate(len(latency), decode_ms),
+        logits=logits_out if keep_logits else None)
+
+
+def run(model: str | Path | Model, tokens: Sequence[int] | str, n_predict: int = 32, *,
+        config: RunConfig = RunConfig(), teacher_tokens: Sequence[int] | None = None,
+        keep_logits: bool = False) -> RunResult:
+    """Load (if a path), prefill `tokens` (ids, or text to tokenize), decode; return the result."""
+    owned = not isinstance(model, Model)
+    mdl = Model(model, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc, n_cpu_moe=config.n_cpu_moe,
+                cpu_moe=config.cpu_moe) if owned else model
+    try:
+        prompt = mdl.tokenize(tokens) if isinstance(tokens, str) else list(tokens)
+        with Context(mdl, n_ctx=config.n_ctx, n_batch=config.n_batch,
+                     n_threads=config.n_threads) as ctx:
+            sampler = Sampler(greedy=config.greedy, seed=config.seed, temperature=config.temperature,
+                              top_k=config.top_k)
+            return run_context(ctx, prompt, n_predict, teacher_tokens=teacher_tokens, sampler=sampler,
+                               keep_logits=keep_logits)
+    finally:
+        if owned:
+            mdl.close()

@@ -1,0 +1,73 @@
+"""`python build.py ...` / `pyllamapool build ...`: prepare the tree, manage patches, build."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from . import buildsys, paths
+from .errors import PyllamapoolError
+from .patches import check_patches, export_patches, prepare
+from .pin import Pin
+from .runner import Runner
+
+COMMANDS = ("build", "prepare", "export-patches", "check-patches")
+
+
+def make_parser(prog: str = "build.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Fetch the pinned llama.cpp, apply patches/series, build a target.",
+        epilog="commands: build (default), prepare, export-patches, check-patches")
+    parser.add_argument("command", nargs="?", default="build", choices=COMMANDS,
+                        help="what to do (default: build)")
+    parser.add_argument("--target", default="cpu",
+                        help="cpu, cuda, hip, vulkan, or gfx906 (= hip with GPU_TARGETS=gfx906)")
+    parser.add_argument("--arch", help="GPU archs: CUDA like 86 or '86;90', HIP like gfx906;gfx1100")
+    parser.add_argument("--jobs", "-j", type=int, help="parallel compile jobs")
+    parser.add_argument("--build-dir", type=Path, help="CMake build folder (default build/<target>)")
+    parser.add_argument("--source", type=Path,
+                        help="use this local llama.cpp tree (e.g. a git checkout of the pinned commit) "
+                             "instead of the verified sdist")
+    parser.add_argument("--reset", action="store_true",
+                        help="prepare: recreate vendor/llama.cpp from the pin and series")
+    parser.add_argument("--dry-run", action="store_true", help="print every command, change nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
+    args = make_parser(prog).parse_args(argv)
+    runner = Runner(dry_run=args.dry_run)
+    console = runner.console
+    try:
+        pin = Pin.load()
+        if args.command == "prepare":
+            prepare(pin, runner, source_path=args.source, reset=args.reset)
+        elif args.command == "export-patches":
+            changed = export_patches(paths.vendor_dir(), paths.patches_dir(), runner)
+            console.print(f"patches/: {len(changed)} file(s) changed" +
+                          (f": {', '.join(changed)}" if changed else " (up to date)"))
+        elif args.command == "check-patches":
+            problems = check_patches(pin, runner, source_path=args.source)
+            if problems:
+                console.print("[red]check-patches failed:[/red]\n  " + "\n  ".join(problems))
+                return 1
+            console.print("check-patches: the series applies to a pristine tree and patches/ is current")
+        else:
+            cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs)
+            libdir = buildsys.build(
+                cfg, runner,
+                prepare_tree=lambda: prepare(pin, runner, source_path=args.source, reset=args.reset))
+            if not args.dry_run:
+                console.print(f"built --target {cfg.target}"
+                              f"{' --arch ' + cfg.arch if cfg.arch else ''}: libraries in {libdir}, "
+                              f"tools in {paths.installed_bin_dir()}")
+    except PyllamapoolError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""Typed wrappers over the raw binding: devices, RPC servers, models, contexts, batches, samplers.
+
+Objects own their native handles and free them on close() / garbage collection. Errors are
+PyllamapoolError subclasses whose message includes what llama.cpp logged about the failure.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import _ffi, logs
+from .errors import PyllamapoolError
+
+#: the pattern llama.cpp's common/ uses for routed-expert tensors (--cpu-moe / --n-cpu-moe)
+EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelLoadError(PyllamapoolError):
+    """The model file is missing, not a GGUF, truncated, or not loadable."""
+
+
+class ContextError(PyllamapoolError):
+    """A context could not be created, or decode failed."""
+
+
+_init_lock = threading.Lock()
+_initialized = False
+_rpc_regs: dict[str, object] = {}
+
+
+def backend():
+    """(ffi, lib) with the backend initialised and logs routed to Python, once per process."""
+    global _initialized
+    ffi, lib, _ = _ffi.load()
+    with _init_lock:
+        if not _initialized:
+            logs.install()
+            lib.llama_backend_init()
+            _initialized = True
+    return ffi, lib
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    description: str
+    kind: str           # "cpu", "gpu", "igpu", "accel"
+    free_bytes: int
+    total_bytes: int
+
+
+_DEV_KIND = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+def _device_info(index: int, dev) -> Device:
+    ffi, lib = backend()
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    lib.ggml_backend_dev_memory(dev, free, total)
+    return Device(index, ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                  ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                  _DEV_KIND.get(int(lib.ggml_backend_dev_type(dev)), "other"), free[0], total[0])
+
+
+def _endpoint_alive(endpoint: str, timeout: float = 1.0) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def devices() -> list[Device]:
+    """Every device llama.cpp knows. RPC devices whose server has gone away are listed without
+    being queried (ggml aborts the process on a dead RPC connection)."""
+    ffi, lib = backend()
+    addr = lambda p: int(ffi.cast("uintptr_t", p))  # noqa: E731
+    dead = {addr(lib.ggml_backend_reg_dev_get(reg, j)) for ep, reg in _rpc_regs.items()
+            if not _endpoint_alive(ep) for j in range(lib.ggml_backend_reg_dev_count(reg))}
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if addr(dev) in dead:
+            out.append(Device(i, ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                              "(server unreachable)", "gpu", 0, 0))
+        else:
+            out.append(_device_info(i, dev))
+    return out
+
+
+def add_rpc_server(endpoint: str):
+    """Register an RPC server (host:port) as a device; returns its ggml_backend_dev_t."""
+    ffi, lib = backend()
+    if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", endpoint):
+        raise PyllamapoolError(f"RPC endpoint {endpoint!r} is not HOST:PORT")
+    if not _endpoint_alive(endpoint):
+        raise PyllamapoolError(f"RPC server {endpoint} is unreachable (nothing accepts connections there)")
+    if endpoint not in _rpc_regs:
+        with logs.capture() as lines:
+            reg = lib.ggml_backend_rpc_add_server(endpoint.encode())
+        if reg == ffi.NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
+            raise PyllamapoolError(f"RPC server {endpoint} is unreachable: "
+                                   + "; ".join(logs.errors_in(lines)[-3:]))
+        lib.ggml_backend_register(reg)
+        _rpc_regs[endpoint] = reg
+    return lib.ggml_backend_reg_dev_get(_rpc_regs[endpoint], 0)
+
+
+def cpu_buffer_type():
+    _, lib = backend()
+    return lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU))
+
+
+def expert_override_patterns(n_cpu_moe: int = 0, cpu_moe: bool = False) -> list[str]:
+    """The tensor patterns llama.cpp's --cpu-moe / --n-cpu-moe N send to host memory."""
+    if n_cpu_moe < 0:
+        raise PyllamapoolError(f"n_cpu_moe must be 0 or more, got {n_cpu_moe}")
+    if cpu_moe:
+        return [EXPS_REGEX]
+    return [rf"blk\.{i}{EXPS_REGEX}" for i in range(n_cpu_moe)]
+
+
+def _rpc_safe_free(free_fn, endpoints: Sequence[str]):
+    """A destructor that frees a handle, unless one of its RPC servers has gone away: freeing
+    buffers on a dead server blocks forever inside ggml, so the handle is leaked (and said so)."""
+    def destroy(handle):
+        dead = [ep for ep in endpoints if not _endpoint_alive(ep, timeout=0.5)]
+        if dead:
+            logging.getLogger("pyllamapool").warning(
+                "not freeing a llama.cpp object: its RPC server(s) %s are gone "
+                "(close models and contexts before stopping their servers)", ", ".join(dead))
+            return
+        free_fn(handle)
+    return destroy
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def check_gguf(path: Path) -> None:
+    if not path.exists():
+        raise ModelLoadError(f"model file {path} does not exist")
+    if not path.is_file():
+        raise ModelLoadError(f"model path {path} is not a file")
+    with path.open("rb") as fh:
+        if fh.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+
+
+class Model:
+    """A loaded GGUF model. rpc: endpoints whose devices take the offloaded layers, in order."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, rpc: Sequence[str] = (),
+                 n_cpu_moe: int = 0, cpu_moe: bool = False,
+                 cpu_overrides: Sequence[str] = (), use_mmap: bool = True):
+        ffi, lib = backend()
+        self.path = Path(path)
+        check_gguf(self.path)
+        self._keep: list = []
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        # Always pass an explicit device list: RPC devices registered for an earlier model in this
+        # process must not silently join this one.
+        devs = [add_rpc_server(ep) for ep in rpc]
+        dev_array = ffi.new("ggml_backend_dev_t[]", [*devs, ffi.NULL])
+        self._keep.append(dev_array)
+        params.devices = dev_array
+        self.cpu_patterns = [*expert_override_patterns(n_cpu_moe, cpu_moe), *cpu_overrides]
+        if self.cpu_patterns:
+            overrides = ffi.new("struct llama_model_tensor_buft_override[]", len(self.cpu_patterns) + 1)
+            buft = cpu_buffer_type()
+            for i, pattern in enumerate(self.cpu_patterns):
+                text = ffi.new("char[]", pattern.encode())
+                self._keep.append(text)
+                overrides[i].pattern = text
+                overrides[i].buft = buft
+            overrides[len(self.cpu_patterns)].pattern = ffi.NULL
+            self._keep.append(overrides)
+            params.tensor_buft_overrides = overrides
+        with logs.capture() as lines:
+            handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if handle == ffi.NULL:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: "
+                                 + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
+        self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_model_free, rpc))
+        self.load_log = [text for _, text in lines]
+        self.vocab = lib.llama_model_get_vocab(self.handle)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = lib.llama_model_n_layer(self.handle)
+        self.rpc = list(rpc)
+        self.n_gpu_layers = n_gpu_layers
+
+    def meta(self, key: str) -> str | None:
+        ffi, lib = backend()
+        buf = ffi.new("char[]", 4096)
+        n = lib.llama_model_meta_val_str(self.handle, key.encode(), buf, 4096)
+        return ffi.string(buf).decode() if n >= 0 else None
+
+    @property
+    def n_expert(self) -> int:
+        value = self.meta(f"{self.meta('general.architecture')}.expert_count")
+        return int(value) if value else 0
+
+    @property
+    def n_expert_used(self) -> int:
+        value = self.meta(f"{self.meta('general.architecture')}.expert_used_count")
+        return int(value) if value else 0
+
+    @property
+    def description(self) -> str:
+        ffi, lib = backend()
+        buf = ffi.new("char[]", 256)
+        lib.llama_model_desc(self.handle, buf, 256)
+        return ffi.string(buf).decode()
+
+    def tokenize(self, text: str) -> list[int]:
+        ffi, lib = backend()
+        data = text.encode()
+        cap = len(data) + 8
+        out = ffi.new("llama_token[]", cap)
+        n = lib.llama_tokenize(self.vocab, data, len(data), out, cap, False, False)
+        if n < 0:
+            cap = -n
+            out = ffi.new("llama_token[]", cap)
+            n = lib.llama_tokenize(self.vocab, data, len(data), out, cap, False, False)
+        return list(out[0:n])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        ffi, lib = backend()
+        buf = ffi.new("char[]", 64)
+        pieces = []
+        for tok in tokens:
+            n = lib.llama_token_to_piece(self.vocab, tok, buf, 64, 0, False)
+            pieces.append(ffi.buffer(buf, max(n, 0))[:].decode("utf-8", "replace"))
+        return "".join(pieces)
+
+    def close(self) -> None:
+        _, lib = backend()
+        if getattr(self, "handle", None) is not None:
+            handle, self.handle = self.handle, None
+            _ffi.load()[0].release(handle)
+
+
+# ---------------------------------------------------------------------------------------------
+# context
+
+
+#: observer(tensor_name, array) is called for every tensor whose name the filter accepts
+TensorObserver = Callable[[str, np.ndarray], None]
+
+
+class Context:
+    def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
+                 n_seq_max: int = 1, n_threads: int | None = None,
+                 observe: Callable[[str], bool] | None = None, observer: TensorObserver | None = None,
+                 flash_attn: bool | None = None):
+        ffi, lib = backend()
+        self.model = model
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        if n_threads:
+            params.n_threads = params.n_threads_batch = n_threads
+        if flash_attn is not None:
+            params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.no_perf = False
+        self._callback = None
+        if observer is not None:
+            self._callback = self._make_eval_callback(observe or (lambda name: True), observer)
+            params.cb_eval = self._callback
+            params.cb_eval_user_data = ffi.NULL
+        with logs.capture() as lines:
+            handle = lib.llama_init_from_model(model.handle, params)
+        if handle == ffi.NULL:
+            raise ContextError("llama.cpp could not create a context: "
+                               + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
+        self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_free, model.rpc))
+        self.init_log = [text for _, text in lines]
+        self.n_vocab = model.n_vocab
+
+    @staticmethod
+    def _make_eval_callback(observe: Callable[[str], bool], observer: TensorObserver):
+        ffi, lib = backend()
+        itemsize = {lib.GGML_TYPE_F32: ("float32", 4), lib.GGML_TYPE_I32: ("int32", 4)}
+
+        @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
+        def on_tensor(t, ask, _user):
+            try:
+                name = ffi.string(t.name).decode()
+                if ask:
+                    return bool(observe(name)) and int(t.type) in itemsize
+                dtype, size = itemsize[int(t.type)]
+                ne0, ne1 = int(t.ne[0]), int(t.ne[1])
+                rows = np.empty((ne1, ne0), dtype=dtype)
+                buf = ffi.from_buffer(rows)
+                row_bytes = ne0 * size
+                # Views (like the router's top-k) are strided: read row by row.
+                for r in range(ne1):
+                    lib.ggml_backend_tensor_get(t, buf + r * row_bytes, r * int(t.nb[1]), row_bytes)
+                observer(name, rows)
+            except Exception:  # never unwind into C; the observer's own errors are its business
+                return True
+            return True
+
+        return on_tensor
+
+    # -- decoding ---------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int]) -> None:
+        """Append tokens to sequence 0 (positions continue from the memory); logits of the last."""
+        ffi, lib = backend()
+        if not tokens:
+            raise ContextError("decode needs at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ContextError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.n_vocab})")
+        arr = ffi.new("llama_token[]", list(tokens))
+        batch = lib.llama_batch_get_one(arr, len(tokens))
+        with logs.capture() as lines:
+            rc = lib.llama_decode(self.handle, batch)
+        if rc != 0:
+            raise ContextError(f"llama_decode returned {rc}: "
+                               + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
+
+    def decode_batch(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                     want_logits: Sequence[bool]) -> None:
+        """One batch mixing sequences (as llama-server does with -np > 1)."""
+        ffi, lib = backend()
+        n = len(tokens)
+        batch = lib.llama_batch_init(n, 0, 1)
+        try:
+            for i in range(n):
+                batch.token[i] = tokens[i]
+                batch.pos[i] = positions[i]
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_ids[i]
+                batch.logits[i] = 1 if want_logits[i] else 0
+            batch.n_tokens = n
+            rc = lib.llama_decode(self.handle, batch)
+        finally:
+            lib.llama_batch_free(batch)
+        if rc != 0:
+            raise ContextError(f"llama_decode returned {rc}")
+
+    def logits(self, index: int = -1) -> np.ndarray:
+        ffi, lib = backend()
+        ptr = lib.llama_get_logits_ith(self.handle, index)
+        if ptr == ffi.NULL:
+            raise ContextError(f"no logits for output {index}")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.n_vocab), dtype=np.float32).copy()
+
+    def clear(self) -> None:
+        _, lib = backend()
+        lib.llama_memory_clear(lib.llama_get_memory(self.handle), True)
+
+    def perf(self) -> dict[str, float]:
+        _, lib = backend()
+        data = lib.llama_perf_context(self.handle)
+        return {"prefill_ms": data.t_p_eval_ms, "prefill_tokens": data.n_p_eval,
+                "decode_ms": data.t_eval_ms, "decode_tokens": data.n_eval}
+
+    def perf_reset(self) -> None:
+        _, lib = backend()
+        lib.llama_perf_context_reset(self.handle)
+
+    def close(self) -> None:
+        if getattr(self, "handle", None) is not None:
+            handle, self.handle = self.handle, None
+            _ffi.load()[0].release(handle)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Sampler:
+    """llama.cpp's own sampler chain: greedy, or seeded (top-k, temperature, dist(seed))."""
+
+    def __init__(self, *, greedy: bool = True, seed: int = 0, top_k: int = 40, temperature: float = 0.8):
+        ffi, lib = backend()
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if greedy:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        else:
+            if temperature <= 0:
+                raise PyllamapoolError(f"temperature must be > 0 for seeded sampling, got {temperature}")
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(top_k))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        self.handle = ffi.gc(chain, lib.llama_sampler_free)
+
+    def sample(self, ctx: Context, index: int = -1) -> int:
+        _, lib = backend()
+        return int(lib.llama_sampler_sample(self.handle, ctx.handle, index))

@@ -1,0 +1,268 @@
+"""The patch series: apply patches/series onto the pinned tree as commits, export them back, check.
+
+vendor/llama.cpp is a git repository whose root commit is the pristine pinned tree; each patch in
+patches/series is one commit above it (`git am -3`). Developers edit there, commit, and run
+`export-patches`, which regenerates patches/ from those commits with stable output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths, source
+from .errors import PatchError
+from .pin import Pin
+from .runner import Runner
+
+# Fixed identity and dates so the baseline commit is the same on every machine.
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "pyllamapool", "GIT_AUTHOR_EMAIL": "pyllamapool@localhost",
+    "GIT_COMMITTER_NAME": "pyllamapool", "GIT_COMMITTER_EMAIL": "pyllamapool@localhost",
+}
+_BASELINE_DATE = "2000-01-01T00:00:00Z"
+# Options that make format-patch output independent of the user's git configuration.
+_STABLE_GIT = ["-c", "core.abbrev=12", "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
+               "-c", "diff.relative=false", "-c", "format.numbered=false", "-c", "core.autocrlf=false"]
+FORMAT_PATCH_ARGS = ["format-patch", "-q", "--zero-commit", "--no-numbered", "--no-signature",
+                     "--no-thread", "--stat=80"]
+
+
+@dataclass(frozen=True)
+class Series:
+    """patches/series and the patch files it names, in order."""
+    directory: Path
+    names: tuple[str, ...]
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> "Series":
+        directory = directory or paths.patches_dir()
+        series_file = directory / "series"
+        if not series_file.exists():
+            return cls(directory, ())
+        names = []
+        for lineno, raw in enumerate(series_file.read_text().splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if not (directory / line).is_file():
+                raise PatchError(f"{series_file}:{lineno}: patch {line!r} does not exist")
+            names.append(line)
+        return cls(directory, tuple(names))
+
+    def files(self) -> list[Path]:
+        return [self.directory / name for name in self.names]
+
+    def digest(self, pin: Pin) -> str:
+        h = hashlib.sha256(f"{pin.commit}\n{pin.sdist_sha256}\n".encode())
+        for path in self.files():
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return h.hexdigest()
+
+
+def git(tree: Path, *args: str, runner: Runner, capture: bool = True, check: bool = True,
+        quiet: bool = True):
+    return runner.run(["git", *_STABLE_GIT, *args], cwd=tree, env=_GIT_ENV, capture=capture,
+                      check=check, quiet=quiet)
+
+
+def baseline_commit(tree: Path, runner: Runner) -> str:
+    out = git(tree, "rev-list", "--max-parents=0", "HEAD", runner=runner).stdout.split()
+    if not out:
+        raise PatchError(f"{tree} has no baseline commit")
+    return out[-1]
+
+
+def init_baseline(tree: Path, pin: Pin, runner: Runner) -> None:
+    runner.note(f"make {tree} a git repository; first commit = pristine {pin.upstream}@{pin.short_commit}")
+    env = {"GIT_AUTHOR_DATE": _BASELINE_DATE, "GIT_COMMITTER_DATE": _BASELINE_DATE}
+    message = (f"llama.cpp {pin.commit}\n\nPristine {pin.upstream}@{pin.commit}, as vendored by the "
+               f"{pin.sdist_requirement} sdist\n(sha256 {pin.sdist_sha256}).\n")
+    for argv in (["init", "-q", "-b", "main"], ["add", "-A", "-f"],
+                 ["commit", "-q", "--no-verify", "-m", message]):
+        runner.run(["git", *_STABLE_GIT, *argv], cwd=tree, env={**_GIT_ENV, **env}, capture=True,
+                   quiet=True)
+
+
+def _patch_files_touched(patch: Path) -> list[str]:
+    return sorted(set(re.findall(r"^diff --git a/(\S+) b/", patch.read_text(errors="replace"), re.M)))
+
+
+def apply_series(tree: Path, series: Series, runner: Runner, start: int = 0) -> None:
+    """git am -3 each patch of the series from index `start`; stop on the first that fails."""
+    names = series.names[start:]
+    if not names:
+        return
+    for index, patch in enumerate(series.files()[start:], start + 1):
+        argv = ["git", "am", "-3", "-q", "--committer-date-is-author-date", str(patch)]
+        if runner.dry_run:
+            runner.show(argv, cwd=tree)
+            continue
+        result = git(tree, "am", "-3", "-q", "--committer-date-is-author-date", str(patch),
+                     runner=runner, check=False)
+        if result.returncode != 0:
+            conflicts = git(tree, "diff", "--name-only", "--diff-filter=U", runner=runner,
+                            check=False).stdout.split()
+            touched = conflicts or _patch_files_touched(patch)
+            detail = (result.stderr or result.stdout).strip().splitlines()[-6:]
+            raise PatchError(
+                f"patch {index}/{len(series.names)} {patch.name} does not apply\n"
+                f"  files: {', '.join(touched) or '(none found)'}\n"
+                + "".join(f"  | {line}\n" for line in detail)
+                + f"To recover:\n  cd {tree}\n"
+                f"  # resolve the conflicts, `git add` the files, then\n  git am --continue\n"
+                f"  # ...or give up on this patch with\n  git am --abort\n"
+                f"  # then save the result into patches/ with\n  python build.py export-patches")
+        runner.note(f"applied {patch.name}")
+
+
+def render_series(tree: Path, runner: Runner) -> dict[str, bytes]:
+    """The commits above the baseline, as format-patch files (name -> bytes), in order."""
+    base = baseline_commit(tree, runner)
+    with tempfile.TemporaryDirectory() as tmp:
+        git(tree, *FORMAT_PATCH_ARGS, "-o", tmp, f"{base}..HEAD", runner=runner)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).glob("*.patch"))}
+
+
+def current_patches(series: Series) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in series.files()}
+
+
+def describe_difference(expected: dict[str, bytes], actual: dict[str, bytes]) -> list[str]:
+    lines = []
+    for name in expected.keys() | actual.keys():
+        if name not in actual:
+            lines.append(f"only in patches/: {name}")
+        elif name not in expected:
+            lines.append(f"not in patches/: {name}")
+        elif expected[name] != actual[name]:
+            lines.append(f"differs: {name}")
+    return sorted(lines)
+
+
+def export_patches(tree: Path, patches_dir: Path, runner: Runner) -> list[str]:
+    """Write the commits above the baseline to patches/ and update series; returns changed names."""
+    ensure_clean(tree, runner)
+    rendered = render_series(tree, runner)
+    old = Series.load(patches_dir)
+    changed = [name for name, data in rendered.items()
+               if not (patches_dir / name).exists() or (patches_dir / name).read_bytes() != data]
+    removed = [name for name in old.names if name not in rendered]
+    if runner.dry_run:
+        runner.note(f"would write {len(changed)} and remove {len(removed)} patch files")
+        return changed + removed
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name in changed:
+        (patches_dir / name).write_bytes(rendered[name])
+    for name in removed:
+        (patches_dir / name).unlink(missing_ok=True)
+    series_text = ("# Applied in order with `git am -3` onto the pinned tree (vendor/llama.cpp.pin).\n"
+                   "# Regenerate with `python build.py export-patches`; never edit patches by hand.\n"
+                   + "".join(f"{name}\n" for name in rendered))
+    series_file = patches_dir / "series"
+    if not series_file.exists() or series_file.read_text() != series_text:
+        series_file.write_text(series_text)
+        changed.append("series")
+    return changed + removed
+
+
+def ensure_clean(tree: Path, runner: Runner) -> None:
+    if (tree / ".git" / "rebase-apply").exists():
+        raise PatchError(f"a `git am` is in progress in {tree}: finish it with `git am --continue` "
+                         f"or drop it with `git am --abort` first")
+    dirty = git(tree, "status", "--porcelain", runner=runner).stdout.strip()
+    if dirty:
+        raise PatchError(f"{tree} has uncommitted changes; commit them (one commit per patch) "
+                         f"first:\n{dirty[:1500]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# stamp: lets `prepare` be a no-op when the tree already holds this pin + series
+
+
+def read_stamp(root: Path | None = None) -> dict:
+    try:
+        return json.loads(paths.stamp_file(root).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def write_stamp(tree: Path, pin: Pin, series: Series, runner: Runner, root: Path | None = None) -> None:
+    if runner.dry_run:
+        return
+    head = git(tree, "rev-parse", "HEAD", runner=runner).stdout.strip()
+    paths.stamp_file(root).write_text(json.dumps(
+        {"commit": pin.commit, "sdist_sha256": pin.sdist_sha256, "series_digest": series.digest(pin),
+         "head": head}, indent=2) + "\n")
+
+
+def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset: bool = False,
+            root: Path | None = None) -> Path:
+    """Make vendor/llama.cpp hold the pinned tree with the series applied. Idempotent."""
+    tree = paths.vendor_dir(root)
+    series = Series.load(paths.patches_dir(root))
+    digest = series.digest(pin)
+    if reset and tree.exists():
+        runner.note(f"--reset: removing {tree}")
+        if not runner.dry_run:
+            shutil.rmtree(tree)
+            paths.stamp_file(root).unlink(missing_ok=True)
+    if not tree.exists() or runner.dry_run and reset:
+        source.materialize(pin, tree, runner, source_path)
+        init_baseline(tree, pin, runner)
+        apply_series(tree, series, runner)
+        write_stamp(tree, pin, series, runner, root)
+        return tree
+    stamp = read_stamp(root)
+    if stamp.get("commit") not in (None, pin.commit):
+        raise PatchError(f"{tree} holds upstream {stamp['commit'][:9]}, the pin says {pin.short_commit}; "
+                         f"run `python build.py prepare --reset` to recreate it")
+    if stamp.get("series_digest") == digest:
+        runner.note(f"{tree} already holds the pinned tree + {len(series.names)} patches")
+        return tree
+    # The series changed since the tree was prepared: find out how vendor/ relates to it.
+    ensure_clean(tree, runner)
+    rendered = list(render_series(tree, runner).items())
+    wanted = list(current_patches(series).items())
+    if rendered == wanted:
+        runner.note("vendor/ commits already match patches/; updating the stamp")
+    elif rendered == wanted[:len(rendered)]:
+        runner.note(f"applying {len(wanted) - len(rendered)} new patches")
+        apply_series(tree, series, runner, start=len(rendered))
+    else:
+        diff = describe_difference(dict(wanted), dict(rendered))
+        raise PatchError(
+            "vendor/llama.cpp commits and patches/series disagree:\n  " + "\n  ".join(diff) +
+            "\nIf your vendor/ commits are the newer work: python build.py export-patches\n"
+            "If patches/ is newer (e.g. after git pull): python build.py prepare --reset")
+    write_stamp(tree, pin, series, runner, root)
+    return tree
+
+
+def check_patches(pin: Pin, runner: Runner, *, source_path: Path | None = None,
+                  root: Path | None = None) -> list[str]:
+    """Apply the series to a fresh pristine copy; return problems (empty = good)."""
+    series = Series.load(paths.patches_dir(root))
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="pyllamapool-check-") as tmp:
+        fresh = Path(tmp) / "llama.cpp"
+        source.materialize(pin, fresh, runner, source_path)
+        init_baseline(fresh, pin, runner)
+        apply_series(fresh, series, runner)  # raises PatchError naming the patch
+        if runner.dry_run:
+            return problems
+        roundtrip = render_series(fresh, runner)
+        problems += [f"round trip: {line}" for line in
+                     describe_difference(current_patches(series), roundtrip)]
+    tree = paths.vendor_dir(root)
+    if tree.exists():
+        status = git(tree, "status", "--porcelain", runner=runner).stdout.strip()
+        if status:
+            problems.append("vendor/llama.cpp has uncommitted changes (commit and export them)")
+        problems += [f"stale: {line}" for line in
+                     describe_difference(current_patches(series), render_series(tree, runner))]
+    return problems

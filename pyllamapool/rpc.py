@@ -1,0 +1,140 @@
+"""A loopback RPC test device: `ggml-rpc-server` on 127.0.0.1, started and stopped by its own pid.
+
+Through llama.cpp's RPC backend the server is a separate device with its own buffers, reached over
+loopback as a GPU is over PCIe: run layers there with `--rpc ENDPOINT -ngl 99`, keep experts on the
+host with `--n-cpu-moe`, and an expert pool lives on that device. Only 127.0.0.1 is ever bound.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import PyllamapoolError
+from .tools import tool_path
+
+LOOPBACK = "127.0.0.1"
+
+
+class RpcServerError(PyllamapoolError):
+    """The RPC server could not be started, or stopped answering."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class RpcServer:
+    """One running ggml-rpc-server. Use as a context manager, or call start()/stop()."""
+    port: int
+    threads: int = 1
+    binary: Path | None = None
+    log_path: Path | None = None
+    startup_timeout_s: float = 20.0
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _log_dir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def start(self) -> "RpcServer":
+        binary = Path(self.binary) if self.binary else tool_path("ggml-rpc-server")
+        if not binary.is_file():
+            raise RpcServerError(f"RPC server binary {binary} does not exist; build it with "
+                                 f"`python build.py --target cpu`")
+        if not port_is_free(self.port):
+            raise RpcServerError(f"port {self.port} on {LOOPBACK} is already in use")
+        if self.log_path is None:
+            self._log_dir = tempfile.TemporaryDirectory(prefix="pyllamapool-rpc-")
+            self.log_path = Path(self._log_dir.name) / f"rpc-{self.port}.log"
+        log = open(self.log_path, "wb")
+        env = dict(os.environ)
+        env.pop("LLAMA_CACHE", None)
+        self._proc = subprocess.Popen(
+            [str(binary), "-H", LOOPBACK, "-p", str(self.port), "-t", str(self.threads)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RpcServerError(f"ggml-rpc-server exited with code {self._proc.returncode} before "
+                                     f"accepting on {self.endpoint}:\n{self.log_text()[-1500:]}")
+            if _accepts(self.port):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RpcServerError(f"ggml-rpc-server did not accept on {self.endpoint} within "
+                             f"{self.startup_timeout_s:.0f} s:\n{self.log_text()[-1500:]}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def close(self) -> None:
+        self.stop()
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
+            self._log_dir = None
+
+    def __enter__(self) -> "RpcServer":
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_rpc_server(port: int | None = None, threads: int = 1, binary: Path | None = None,
+                     log_path: Path | None = None, attempts: int = 3) -> RpcServer:
+    """Start a server on a free loopback port (or the given one) and wait until it accepts."""
+    last: RpcServerError | None = None
+    for _ in range(attempts if port is None else 1):
+        server = RpcServer(port or free_port(), threads=threads, binary=binary, log_path=log_path)
+        try:
+            return server.start()
+        except RpcServerError as exc:  # another process may have taken the free port meanwhile
+            server.close()
+            last = exc
+    assert last is not None
+    raise last

@@ -1,0 +1,277 @@
+"""Tiny, deterministic MoE GGUF models whose routing has locality, and token streams to drive them.
+
+Random weights make a router pick experts almost uniformly, which makes every expert cache look
+useless. These models are built so routing behaves like a real MoE's:
+
+* every token belongs to a *topic*; its embedding is the topic's centroid plus a little noise;
+* in each layer every expert has a *home topic* and a *popularity*; its router row points at its
+  home topic's centroid, plus a shared direction scaled by its popularity (Zipf over a per-layer
+  permutation, flatter in early layers), so the same few experts win while a stream stays on a topic;
+* attention and expert outputs are small, so the residual stream keeps its topic through the layers.
+
+`token_stream()` writes topic-Markov, Zipfian token sequences: a stream that stays on a topic reuses
+experts from token to token, and a topic switch makes the working set move, as a new request does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PyllamapoolError
+
+ARCHITECTURES = ("qwen3moe", "qwen2moe")
+#: expert storage types written by the gguf package itself
+NATIVE_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+#: types that go through the pinned tree's llama-quantize (the gguf package cannot write them)
+QUANTIZE_TYPES = {"Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "IQ4_XS": "iq4_xs"}
+EXPERT_TYPES = NATIVE_TYPES + tuple(QUANTIZE_TYPES)
+_BLOCK = {"F32": 1, "F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
+          "IQ4_XS": 256}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Knobs of a generated model. Defaults: ~2 MB, decodes at hundreds of tokens/s on 2 cores."""
+    arch: str = "qwen3moe"
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_expert: int = 16
+    n_expert_used: int = 4
+    n_ff_exp: int = 128
+    n_ff_shexp: int = 128         # qwen2moe only
+    n_vocab: int = 512
+    n_ctx_train: int = 4096
+    expert_type: str = "F16"
+    #: number of token topics; routing reuse comes from streams that stay on one topic
+    n_topics: int = 8
+    #: Zipf exponent of per-layer expert popularity (last layer); early layers are flatter
+    zipf: float = 0.8
+    #: how strongly a token's topic drives the router, vs per-token noise
+    topic_strength: float = 3.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise PyllamapoolError(f"unknown arch {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        if self.expert_type not in EXPERT_TYPES:
+            raise PyllamapoolError(f"unknown expert type {self.expert_type!r}; supported: "
+                                   f"{', '.join(EXPERT_TYPES)}")
+        for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_expert", "n_expert_used",
+                     "n_ff_exp", "n_vocab", "n_topics"):
+            if getattr(self, name) < 1:
+                raise PyllamapoolError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_expert_used > self.n_expert:
+            raise PyllamapoolError(f"top-k {self.n_expert_used} exceeds the {self.n_expert} experts")
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+            raise PyllamapoolError(f"n_embd {self.n_embd} must divide by n_head {self.n_head}, and "
+                                   f"n_head by n_head_kv {self.n_head_kv}")
+        block = _BLOCK[self.expert_type]
+        for name in ("n_embd", "n_ff_exp"):
+            if getattr(self, name) % block:
+                raise PyllamapoolError(f"{self.expert_type} experts need {name} to be a multiple of "
+                                       f"{block}, got {getattr(self, name)}")
+        if self.n_vocab < self.n_topics:
+            raise PyllamapoolError(f"n_vocab {self.n_vocab} must be at least n_topics {self.n_topics}")
+
+    @property
+    def file_stem(self) -> str:
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        return f"tiny-{self.arch}-L{self.n_layer}-E{self.n_expert}k{self.n_expert_used}-" \
+               f"{self.expert_type.lower()}-s{self.seed}-{digest}"
+
+    def topic_of(self, token: int) -> int:
+        return token % self.n_topics
+
+
+def _topics_per_token(spec: ModelSpec) -> np.ndarray:
+    return np.arange(spec.n_vocab) % spec.n_topics
+
+
+def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """All tensors as float32 arrays in numpy (row-major, gguf) order: shape = reversed ggml ne."""
+    rng = np.random.default_rng(spec.seed)
+    d, v = spec.n_embd, spec.n_vocab
+    head_dim = d // spec.n_head
+    kv = head_dim * spec.n_head_kv
+    # Topic centroids are orthonormal-ish; one extra shared direction carries expert popularity.
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0].T.astype(np.float32)
+    centroids = basis[: spec.n_topics]
+    shared = basis[spec.n_topics % d]
+    topics = _topics_per_token(spec)
+    emb = centroids[topics] * spec.topic_strength + shared * 1.0 \
+        + rng.standard_normal((v, d)).astype(np.float32) * 0.35
+    t: dict[str, np.ndarray] = {
+        "token_embd.weight": emb.astype(np.float32),
+        "output_norm.weight": np.ones(d, np.float32),
+        "output.weight": (rng.standard_normal((v, d)) * 0.5).astype(np.float32),
+    }
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        small = 0.02
+        t[p + "attn_norm.weight"] = np.ones(d, np.float32)
+        t[p + "attn_q.weight"] = (rng.standard_normal((d, d)) * small).astype(np.float32)
+        t[p + "attn_k.weight"] = (rng.standard_normal((kv, d)) * small).astype(np.float32)
+        t[p + "attn_v.weight"] = (rng.standard_normal((kv, d)) * small).astype(np.float32)
+        t[p + "attn_output.weight"] = (rng.standard_normal((d, d)) * small).astype(np.float32)
+        if spec.arch == "qwen3moe":
+            t[p + "attn_q_norm.weight"] = np.ones(head_dim, np.float32)
+            t[p + "attn_k_norm.weight"] = np.ones(head_dim, np.float32)
+        t[p + "ffn_norm.weight"] = np.ones(d, np.float32)
+        # Router: home topic + popularity (Zipf over a per-layer permutation; flatter early on).
+        depth = (il + 1) / spec.n_layer
+        exponent = spec.zipf * (0.35 + 0.65 * depth)
+        ranks = rng.permutation(spec.n_expert) + 1
+        popularity = ranks.astype(np.float32) ** -exponent
+        popularity = np.log(popularity / popularity.mean()) * 1.5
+        homes = rng.permutation(np.arange(spec.n_expert) % spec.n_topics)
+        router = centroids[homes] * 2.0 + np.outer(popularity, shared) \
+            + rng.standard_normal((spec.n_expert, d)).astype(np.float32) * 0.6
+        t[p + "ffn_gate_inp.weight"] = router.astype(np.float32)
+        f = spec.n_ff_exp
+        t[p + "ffn_gate_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
+        t[p + "ffn_up_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
+        t[p + "ffn_down_exps.weight"] = (rng.standard_normal((spec.n_expert, d, f)) * 0.08).astype(np.float32)
+        if spec.arch == "qwen2moe":
+            s = spec.n_ff_shexp
+            t[p + "ffn_gate_inp_shexp.weight"] = (rng.standard_normal(d) * 0.1).astype(np.float32)
+            t[p + "ffn_gate_shexp.weight"] = (rng.standard_normal((s, d)) * 0.05).astype(np.float32)
+            t[p + "ffn_up_shexp.weight"] = (rng.standard_normal((s, d)) * 0.05).astype(np.float32)
+            t[p + "ffn_down_shexp.weight"] = (rng.standard_normal((d, s)) * 0.05).astype(np.float32)
+    return t
+
+
+def _is_expert(name: str) -> bool:
+    return "_exps." in name
+
+
+def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    writer.add_name(f"pyllamapool tiny {spec.arch}")
+    writer.add_context_length(spec.n_ctx_train)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(spec.n_expert)
+    writer.add_expert_used_count(spec.n_expert_used)
+    writer.add_expert_feed_forward_length(spec.n_ff_exp)
+    if spec.arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if expert_type == "F16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("test")
+    writer.add_token_list([f"tok_{i}" for i in range(spec.n_vocab)])
+    writer.add_token_scores([0.0] * spec.n_vocab)
+    # Provenance: the spec, so a file can be tied back to the knobs that made it.
+    writer.add_string("pyllamapool.model_spec", json.dumps(asdict(spec), sort_keys=True))
+    qtype = getattr(gguf.GGMLQuantizationType, expert_type)
+    for name, data in _weights(spec).items():
+        if _is_expert(name) and qtype != gguf.GGMLQuantizationType.F32:
+            if qtype == gguf.GGMLQuantizationType.F16:
+                writer.add_tensor(name, data.astype(np.float16))
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_model(spec: ModelSpec, path: Path, quantize_bin: Path | None = None) -> Path:
+    """Write the model described by spec to path (deterministic: same spec -> same bytes)."""
+    spec.validate()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.expert_type in NATIVE_TYPES:
+        tmp = path.with_suffix(".tmp")
+        _write_gguf(spec, tmp, spec.expert_type)
+        tmp.replace(path)
+        return path
+    # K-quants and IQ types: write F16 experts, then let the pinned tree's llama-quantize convert them.
+    if quantize_bin is None:
+        from .tools import tool_path
+        quantize_bin = tool_path("llama-quantize")
+    with tempfile.TemporaryDirectory() as tmp:
+        f16 = Path(tmp) / "f16.gguf"
+        _write_gguf(spec, f16, "F16")
+        argv = [str(quantize_bin), "--tensor-type",
+                f"ffn_(gate|up|down)_exps={QUANTIZE_TYPES[spec.expert_type]}", str(f16),
+                str(path.with_suffix(".tmp")), "F16"]
+        result = subprocess.run(argv, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise PyllamapoolError(f"llama-quantize failed for {spec.expert_type}:\n{result.stderr[-1500:]}")
+        path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def default_model_dir() -> Path:
+    from .paths import cache_dir
+    return cache_dir() / "models"
+
+
+def cached_model(spec: ModelSpec | None = None, directory: Path | None = None) -> Path:
+    """The generated model for spec in the cache, generated on first use."""
+    spec = spec or ModelSpec()
+    path = (directory or default_model_dir()) / f"{spec.file_stem}.gguf"
+    if not path.exists():
+        write_model(spec, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# token streams
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A topic-Markov stream: stay on a topic with p_stay, pick tokens Zipf-distributed within it."""
+    n_tokens: int = 256
+    p_stay: float = 0.95
+    zipf: float = 1.1
+    #: force a topic switch every this many tokens (request boundaries); 0 = never
+    request_length: int = 0
+    seed: int = 0
+
+
+def token_stream(model: ModelSpec, stream: StreamSpec = StreamSpec()) -> list[int]:
+    if not 0.0 <= stream.p_stay <= 1.0:
+        raise PyllamapoolError(f"p_stay must be within [0, 1], got {stream.p_stay}")
+    rng = np.random.default_rng(stream.seed + 7919 * model.seed)
+    by_topic = [np.flatnonzero(_topics_per_token(model) == k) for k in range(model.n_topics)]
+    weights = []
+    for members in by_topic:
+        w = (np.arange(len(members)) + 1.0) ** -stream.zipf
+        weights.append(w / w.sum())
+    order = [rng.permutation(len(m)) for m in by_topic]
+    topic = int(rng.integers(model.n_topics))
+    out = []
+    for i in range(stream.n_tokens):
+        boundary = stream.request_length and i and i % stream.request_length == 0
+        if boundary or rng.random() > stream.p_stay:
+            topic = int(rng.integers(model.n_topics))
+        j = rng.choice(len(by_topic[topic]), p=weights[topic])
+        out.append(int(by_topic[topic][order[topic][j]]))
+    return out
+
+
+def spec_with(spec: ModelSpec, **changes) -> ModelSpec:
+    return replace(spec, **changes)
+
+
+__all__ = ["ModelSpec", "StreamSpec", "write_model", "cached_model", "token_stream", "ARCHITECTURES",
+           "EXPERT_TYPES", "spec_with"]

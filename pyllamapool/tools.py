@@ -1,0 +1,30 @@
+"""The patched llama.cpp programs built next to the libraries (llama-server, ggml-rpc-server, ...)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import paths
+from .errors import LibraryNotFound
+
+TOOLS = ("llama-server", "llama-cli", "llama-bench", "llama-quantize", "ggml-rpc-server")
+
+
+def bin_dirs() -> list[Path]:
+    override = os.environ.get(paths.LIB_DIR_ENV)
+    if override:
+        return [Path(override).parent / "bin", Path(override)]
+    return [paths.installed_bin_dir()]
+
+
+def tool_path(name: str) -> Path:
+    if name not in TOOLS:
+        raise ValueError(f"unknown tool {name!r}; known: {', '.join(TOOLS)}")
+    tried = []
+    for directory in bin_dirs():
+        candidate = directory / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+        tried.append(str(candidate))
+    raise LibraryNotFound(f"{name} not found; tried: {', '.join(tried)}. Build it with "
+                          f"`python build.py --target cpu`")

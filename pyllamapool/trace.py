@@ -1,0 +1,167 @@
+"""Routing traces: which experts each MoE layer selected for each token, and locality statistics.
+
+Format (`.npz`): `ids` int32 [tokens, moe_layers, top_k] (expert ids, -1 = none), `layers` int32
+[moe_layers] (the model's layer index of each column), and `meta` (a JSON string): model, n_expert,
+top_k, bytes_per_expert ({layer: {tensor: bytes}}), source ("recorded" or "synthetic"), and for
+synthetic traces preset and seed.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PyllamapoolError
+
+TOPK_TENSOR = re.compile(r"^ffn_moe_topk-(\d+)$")
+
+
+@dataclass
+class Trace:
+    ids: np.ndarray                     # [tokens, layers, top_k]
+    layers: list[int]
+    n_expert: int
+    top_k: int
+    bytes_per_expert: dict[int, dict[str, int]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        meta = {**self.meta, "n_expert": self.n_expert, "top_k": self.top_k,
+                "bytes_per_expert": {str(k): v for k, v in self.bytes_per_expert.items()}}
+        np.savez_compressed(path, ids=self.ids.astype(np.int32), layers=np.asarray(self.layers, np.int32),
+                            meta=np.asarray(json.dumps(meta, sort_keys=True)))
+        return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                ids, layers = data["ids"], data["layers"].tolist()
+        except (OSError, KeyError, ValueError) as exc:
+            raise PyllamapoolError(f"{path} is not a routing trace: {exc}") from None
+        bpe = {int(k): v for k, v in meta.pop("bytes_per_expert", {}).items()}
+        return cls(ids, layers, int(meta.pop("n_expert")), int(meta.pop("top_k")), bpe, meta)
+
+
+def expert_bytes_from_gguf(path: str | Path) -> dict[int, dict[str, int]]:
+    """Bytes of one expert in each routed-expert tensor, per layer, read from the GGUF header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out: dict[int, dict[str, int]] = {}
+    for tensor in reader.tensors:
+        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$", tensor.name)
+        if m:
+            n_expert = int(tensor.shape[-1])  # gguf reader shapes are ggml order: ne0 first
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = int(tensor.n_bytes) // n_expert
+    return out
+
+
+class TraceRecorder:
+    """An observer for Context(observe=..., observer=...) collecting the router's top-k per token."""
+
+    def __init__(self) -> None:
+        self._steps: list[dict[int, np.ndarray]] = []
+        self._current: dict[int, np.ndarray] = {}
+        self.enabled = True
+
+    @staticmethod
+    def wants(name: str) -> bool:
+        return bool(TOPK_TENSOR.match(name))
+
+    def __call__(self, name: str, rows: np.ndarray) -> None:
+        if not self.enabled:
+            return
+        layer = int(TOPK_TENSOR.match(name).group(1))
+        if layer in self._current:      # a new decode call started
+            self.end_step()
+        self._current[layer] = rows.copy()
+
+    def end_step(self) -> None:
+        if self._current:
+            self._steps.append(self._current)
+            self._current = {}
+
+    def reset(self) -> None:
+        self._steps, self._current = [], {}
+
+    def trace(self, n_expert: int, top_k: int, bytes_per_expert=None, meta=None) -> Trace:
+        self.end_step()
+        if not self._steps:
+            raise PyllamapoolError("no routing was observed (is this a MoE model?)")
+        layers = sorted(self._steps[0])
+        tokens = []
+        for step in self._steps:
+            n = step[layers[0]].shape[0]
+            for t in range(n):
+                tokens.append(np.stack([step[il][t][:top_k] for il in layers]))
+        ids = np.stack(tokens).astype(np.int32)
+        return Trace(ids, layers, n_expert, top_k, bytes_per_expert or {},
+                     {"source": "recorded", **(meta or {})})
+
+
+# ---------------------------------------------------------------------------------------------
+# locality statistics
+
+
+@dataclass(frozen=True)
+class Locality:
+    #: per layer: share of all selections taken by the most-used 25% of experts (uniform: 0.25)
+    top_quarter_share: list[float]
+    #: share of a token's experts that the previous token also used (per layer, then mean)
+    reuse_prev: float
+    #: share of a token's experts used within the previous `window` tokens
+    reuse_window: float
+    window: int
+
+
+def locality(trace: Trace, window: int = 8) -> Locality:
+    ids = trace.ids
+    n_tok, n_layers, _ = ids.shape
+    quarter = max(1, trace.n_expert // 4)
+    shares = []
+    for li in range(n_layers):
+        counts = np.bincount(ids[:, li].ravel()[ids[:, li].ravel() >= 0], minlength=trace.n_expert)
+        shares.append(float(np.sort(counts)[::-1][:quarter].sum() / max(1, counts.sum())))
+    prev_hits = win_hits = total = 0
+    for t in range(1, n_tok):
+        for li in range(n_layers):
+            cur = set(ids[t, li].tolist())
+            prev = set(ids[t - 1, li].tolist())
+            recent = set(ids[max(0, t - window):t, li].ravel().tolist())
+            prev_hits += len(cur & prev)
+            win_hits += len(cur & recent)
+            total += len(cur)
+    return Locality(shares, prev_hits / max(1, total), win_hits / max(1, total), window)
+
+
+def record_trace(model, prompt: Sequence[int], stream: Sequence[int], *, n_ctx: int = 2048,
+                 n_threads: int | None = None, meta: dict | None = None) -> Trace:
+    """Teacher-force `stream` after `prompt` through `model` (a llama.Model) and record routing.
+
+    Only decode steps are recorded (the prompt's prefill is not), one row per streamed token.
+    """
+    from .llama import Context
+
+    recorder = TraceRecorder()
+    with Context(model, n_ctx=n_ctx, n_threads=n_threads, observe=recorder.wants,
+                 observer=recorder) as ctx:
+        recorder.enabled = False
+        ctx.decode(list(prompt))
+        recorder.enabled = True
+        for tok in stream:
+            ctx.decode([tok])
+            recorder.end_step()
+    bpe = expert_bytes_from_gguf(model.path)
+    return recorder.trace(model.n_expert, model.n_expert_used, bpe,
+                          {"model": str(model.path), "prompt_tokens": len(prompt), **(meta or {})})
