@@ -16,7 +16,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _ffi, logs
+from . import pool as pool_api
 from .errors import PyllamapoolError
+from .pool import MemoryRow, PoolConfig, PoolCounters, PoolReport, PoolStatus
 
 #: the pattern llama.cpp's common/ uses for routed-expert tensors (--cpu-moe / --n-cpu-moe)
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -74,13 +76,22 @@ def _device_info(index: int, dev) -> Device:
                   _DEV_KIND.get(int(lib.ggml_backend_dev_type(dev)), "other"), free[0], total[0])
 
 
-def _endpoint_alive(endpoint: str, timeout: float = 1.0) -> bool:
+def _connects(endpoint: str, timeout: float = 1.0) -> bool:
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
     except (OSError, ValueError):
         return False
+
+
+def _endpoint_alive(endpoint: str) -> bool:
+    """Whether an RPC server is still there. Servers started by pyllamapool.rpc are checked by
+    their process; others are assumed alive: probing with a connection would queue behind the
+    client the (single-client) server is serving and can fill its accept backlog."""
+    from .rpc import server_for
+    server = server_for(endpoint)
+    return server.running if server is not None else True
 
 
 def devices() -> list[Device]:
@@ -106,7 +117,7 @@ def add_rpc_server(endpoint: str):
     ffi, lib = backend()
     if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", endpoint):
         raise PyllamapoolError(f"RPC endpoint {endpoint!r} is not HOST:PORT")
-    if not _endpoint_alive(endpoint):
+    if endpoint not in _rpc_regs and not _connects(endpoint):
         raise PyllamapoolError(f"RPC server {endpoint} is unreachable (nothing accepts connections there)")
     if endpoint not in _rpc_regs:
         with logs.capture() as lines:
@@ -137,7 +148,7 @@ def _rpc_safe_free(free_fn, endpoints: Sequence[str]):
     """A destructor that frees a handle, unless one of its RPC servers has gone away: freeing
     buffers on a dead server blocks forever inside ggml, so the handle is leaked (and said so)."""
     def destroy(handle):
-        dead = [ep for ep in endpoints if not _endpoint_alive(ep, timeout=0.5)]
+        dead = [ep for ep in endpoints if not _endpoint_alive(ep)]
         if dead:
             logging.getLogger("pyllamapool").warning(
                 "not freeing a llama.cpp object: its RPC server(s) %s are gone "
@@ -166,7 +177,7 @@ class Model:
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, rpc: Sequence[str] = (),
                  n_cpu_moe: int = 0, cpu_moe: bool = False,
-                 cpu_overrides: Sequence[str] = (), use_mmap: bool = True):
+                 cpu_overrides: Sequence[str] = (), use_mmap: bool = True, repack: bool = True):
         ffi, lib = backend()
         self.path = Path(path)
         check_gguf(self.path)
@@ -174,6 +185,8 @@ class Model:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        # repacked CPU weights are not in the device layout, so the expert pool cannot use them
+        params.use_extra_bufts = repack
         # Always pass an explicit device list: RPC devices registered for an earlier model in this
         # process must not silently join this one.
         devs = [add_rpc_server(ep) for ep in rpc]
@@ -268,7 +281,7 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, n_threads: int | None = None,
                  observe: Callable[[str], bool] | None = None, observer: TensorObserver | None = None,
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, pool: "PoolConfig | None" = None):
         ffi, lib = backend()
         self.model = model
         params = lib.llama_context_default_params()
@@ -282,6 +295,10 @@ class Context:
             params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                       else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.no_perf = False
+        self._keep: list = []
+        self.pool_config = pool
+        if pool is not None and pool.enabled:
+            params.moe_pool = pool.to_c(ffi, self._keep)
         self._callback = None
         if observer is not None:
             self._callback = self._make_eval_callback(observe or (lambda name: True), observer)
@@ -295,6 +312,26 @@ class Context:
         self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_free, model.rpc))
         self.init_log = [text for _, text in lines]
         self.n_vocab = model.n_vocab
+
+    # -- expert pool -------------------------------------------------------------------------
+    def pool_status(self, device: int = -1) -> "PoolStatus":
+        return pool_api.status(self.handle, device)
+
+    def pool_counters(self, pool: int = -1) -> "PoolCounters":
+        return pool_api.counters(self.handle, pool)
+
+    def pool_reset(self) -> None:
+        pool_api.reset_counters(self.handle)
+
+    def pool_report(self, per_pool: bool = False) -> "PoolReport":
+        return pool_api.report(self.handle, per_pool)
+
+    def memory(self) -> list["MemoryRow"]:
+        return pool_api.memory(self.handle)
+
+    def pool_lines(self) -> list[str]:
+        """The `expert pool ...` lines llama.cpp logged while this context was created."""
+        return [line for line in self.init_log if line.startswith("expert pool")]
 
     @staticmethod
     def _make_eval_callback(observe: Callable[[str], bool], observer: TensorObserver):

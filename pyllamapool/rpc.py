@@ -19,6 +19,13 @@ from .tools import tool_path
 
 LOOPBACK = "127.0.0.1"
 
+#: servers started by this process, by endpoint (so others can ask whether one is still running)
+_running: "dict[str, RpcServer]" = {}
+
+
+def server_for(endpoint: str) -> "RpcServer | None":
+    return _running.get(endpoint)
+
 
 class RpcServerError(PyllamapoolError):
     """The RPC server could not be started, or stopped answering."""
@@ -96,6 +103,7 @@ class RpcServer:
                 raise RpcServerError(f"ggml-rpc-server exited with code {self._proc.returncode} before "
                                      f"accepting on {self.endpoint}:\n{self.log_text()[-1500:]}")
             if _accepts(self.port):
+                _running[self.endpoint] = self
                 return self
             time.sleep(0.05)
         self.stop()

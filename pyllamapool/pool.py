@@ -1,0 +1,245 @@
+"""The expert pool from Python: configuration, admission status, per-pool info and counters.
+
+Everything here reads the C API in include/llama-moe-pool.h (added by the patch series); field names
+follow the telemetry lines (`expert pool status=... requested_slots=... limited_by=...`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from . import _ffi
+from .errors import PyllamapoolError
+
+LIMITS = ("slots", "rail", "cap")
+MAX_DEVICES = 16
+
+
+class PoolConfigError(PyllamapoolError):
+    """A pool setting is out of range."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
+
+    slots: requested slots per offloaded expert tensor; an int for every device, or one per device.
+    """
+    slots: int | tuple[int, ...] = 0
+    rail_mib: int | None = None
+    cap_mib: int | None = None
+    device_mib: int | None = None
+    profile: str | Path | None = None
+    speculative: bool = False
+
+    @property
+    def slot_list(self) -> tuple[int, ...]:
+        return (self.slots,) if isinstance(self.slots, int) else tuple(self.slots)
+
+    @property
+    def enabled(self) -> bool:
+        return any(s != 0 for s in self.slot_list)
+
+    def validate(self) -> None:
+        slots = self.slot_list
+        if not slots or len(slots) > MAX_DEVICES:
+            raise PoolConfigError(f"slots needs 1 to {MAX_DEVICES} values, got {len(slots)}")
+        bad = [s for s in slots if not isinstance(s, int) or s < 0]
+        if bad:
+            raise PoolConfigError(f"slots {bad[0]!r} is invalid: slots must be whole numbers >= 0")
+        for name in ("rail_mib", "cap_mib", "device_mib"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise PoolConfigError(f"{name}={value!r} is invalid: it must be a whole number of MiB >= 1")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
+
+    def to_c(self, ffi, keep: list):
+        """A `struct llama_moe_pool_params *` (objects it points to are appended to keep)."""
+        self.validate()
+        _, lib, _ = _ffi.load()
+        params = ffi.new("struct llama_moe_pool_params *", lib.llama_moe_pool_default_params())
+        slots = self.slot_list
+        params.n_slots = len(slots)
+        for i, s in enumerate(slots):
+            params.slots[i] = s
+        if self.rail_mib is not None:
+            params.rail_mib = self.rail_mib
+        if self.cap_mib is not None:
+            params.cap_mib = self.cap_mib
+        if self.device_mib is not None:
+            params.device_mib = self.device_mib
+        if self.profile is not None:
+            text = ffi.new("char[]", str(self.profile).encode())
+            keep.append(text)
+            params.profile = text
+        params.speculative = self.speculative
+        keep.append(params)
+        return params
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """One `expert pool status=...` line, typed."""
+    enabled: bool
+    reason: str
+    device: str
+    requested_slots: int
+    actual_slots: int
+    pool_count: int
+    bytes: int
+    cap: int
+    ceiling: int
+    limited_by: str
+    alloc: str
+    profile: str
+    slots_min: int
+    slots_med: int
+    slots_max: int
+    total_slots: int
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    copy_bytes: int = 0
+    steps: int = 0
+    bypassed_steps: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    index: int
+    layer: int
+    device: int
+    slots: int
+    n_expert: int
+    tensor: str
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    buffer_type: str
+    device: str
+    model: int
+    context: int
+    compute: int
+    pool: int
+
+
+@dataclass
+class PoolReport:
+    """Everything the pool says about one context."""
+    status: PoolStatus
+    devices: list[PoolStatus] = field(default_factory=list)
+    counters: PoolCounters = field(default_factory=PoolCounters)
+    pools: list[PoolInfo] = field(default_factory=list)
+    pool_counters: list[PoolCounters] = field(default_factory=list)
+
+
+def _status_from_c(ffi, s) -> PoolStatus:
+    return PoolStatus(
+        enabled=bool(s.enabled), reason=ffi.string(s.reason).decode() if s.reason else "",
+        device=ffi.string(s.device).decode() if s.device else "", requested_slots=s.requested_slots,
+        actual_slots=s.actual_slots, pool_count=s.pool_count, bytes=s.bytes, cap=s.cap, ceiling=s.ceiling,
+        limited_by=LIMITS[s.limited_by] if 0 <= s.limited_by < len(LIMITS) else str(s.limited_by),
+        alloc="weighted" if s.weighted else "uniform",
+        profile=ffi.string(s.profile).decode() if s.profile else "none", slots_min=s.slots_min,
+        slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots)
+
+
+def _counters_from_c(c) -> PoolCounters:
+    return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps)
+
+
+def status(ctx_handle, device: int = -1) -> PoolStatus:
+    ffi, lib, _ = _ffi.load()
+    out = ffi.new("struct llama_moe_pool_status *")
+    if lib.llama_moe_pool_get_status(ctx_handle, device, out) != 0:
+        raise PyllamapoolError(f"no pool status for device {device}")
+    return _status_from_c(ffi, out)
+
+
+def device_statuses(ctx_handle) -> list[PoolStatus]:
+    _, lib, _ = _ffi.load()
+    return [status(ctx_handle, i) for i in range(lib.llama_moe_pool_n_devices(ctx_handle))]
+
+
+def counters(ctx_handle, pool: int = -1) -> PoolCounters:
+    ffi, lib, _ = _ffi.load()
+    out = ffi.new("struct llama_moe_pool_counters *")
+    if lib.llama_moe_pool_get_counters(ctx_handle, pool, out) != 0:
+        raise PyllamapoolError(f"no pool {pool}")
+    return _counters_from_c(out)
+
+
+def reset_counters(ctx_handle) -> None:
+    _, lib, _ = _ffi.load()
+    lib.llama_moe_pool_reset_counters(ctx_handle)
+
+
+def pools(ctx_handle) -> list[PoolInfo]:
+    ffi, lib, _ = _ffi.load()
+    out = ffi.new("struct llama_moe_pool_info *")
+    result = []
+    for i in range(lib.llama_moe_pool_n_pools(ctx_handle)):
+        lib.llama_moe_pool_get_info(ctx_handle, i, out)
+        result.append(PoolInfo(i, out.layer, out.device, out.slots, out.n_expert,
+                               ffi.string(out.tensor).decode(), out.slot_bytes))
+    return result
+
+
+def report(ctx_handle, per_pool: bool = False) -> PoolReport:
+    infos = pools(ctx_handle) if per_pool else []
+    return PoolReport(status(ctx_handle), device_statuses(ctx_handle), counters(ctx_handle), infos,
+                      [counters(ctx_handle, p.index) for p in infos])
+
+
+def memory(ctx_handle) -> list[MemoryRow]:
+    ffi, lib, _ = _ffi.load()
+    n = lib.llama_moe_pool_memory_breakdown(ctx_handle, ffi.NULL, 0)
+    rows = ffi.new("struct llama_moe_pool_memory[]", max(n, 1))
+    n = lib.llama_moe_pool_memory_breakdown(ctx_handle, rows, n)
+    return [MemoryRow(ffi.string(r.buffer_type).decode(), ffi.string(r.device).decode(), r.model,
+                      r.context, r.compute, r.pool) for r in rows[0:n]]
+
+
+class Policy:
+    """The product's slot policy on its own (the same C++ the pool runs), for trace replay."""
+
+    def __init__(self, n_expert: int, n_slots: int, kind: int = 0):
+        ffi, lib, _ = _ffi.load()
+        handle = lib.llama_moe_pool_policy_init(n_expert, n_slots, kind)
+        if handle == ffi.NULL:
+            raise PoolConfigError(f"invalid policy: {n_expert} experts, {n_slots} slots, kind {kind}")
+        self.handle = ffi.gc(handle, lib.llama_moe_pool_policy_free)
+        self.n_expert, self.n_slots = n_expert, n_slots
+
+    def step(self, ids: Sequence[int]) -> tuple[list[int], list[bool]] | None:
+        """(slots, missed) for one step's ids, or None if they do not fit the slots."""
+        ffi, lib, _ = _ffi.load()
+        n = len(ids)
+        c_ids = ffi.new("int32_t[]", list(ids))
+        slots = ffi.new("int32_t[]", max(n, 1))
+        miss = ffi.new("uint8_t[]", max(n, 1))
+        if lib.llama_moe_pool_policy_step(self.handle, c_ids, n, slots, miss) < 0:
+            return None
+        return list(slots[0:n]), [bool(m) for m in miss[0:n]]
+
+    def counters(self) -> PoolCounters:
+        ffi, lib, _ = _ffi.load()
+        out = ffi.new("struct llama_moe_pool_counters *")
+        lib.llama_moe_pool_policy_counters(self.handle, out)
+        return _counters_from_c(out)
