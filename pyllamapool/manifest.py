@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def check_current(manifest: dict | None) -> str | None:
 
 
 def warn_if_stale() -> None:
+    if os.environ.get("PYLLAMAPOOL_NO_STALE_WARNING"):
+        return
     text = check_current(read_manifest())
     if text:
         warnings.warn(text, StaleBuildWarning, stacklevel=3)
