@@ -1,0 +1,77 @@
+"""Shared fixtures: generated tiny MoE models, loopback RPC devices, the native build."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def make_model(models_dir):
+    """make_model(**spec_changes) -> path of a generated model (cached for the session)."""
+    made: dict[ModelSpec, Path] = {}
+
+    def _make(**changes) -> Path:
+        spec = ModelSpec(**changes)
+        if spec not in made:
+            made[spec] = write_model(spec, models_dir / f"{spec.file_stem}.gguf")
+        return made[spec]
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def qwen3_model(make_model) -> Path:
+    return make_model()
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(make_model) -> Path:
+    return make_model(arch="qwen2moe")
+
+
+@pytest.fixture(scope="session")
+def stream() -> list[int]:
+    return token_stream(ModelSpec(), StreamSpec(n_tokens=72, seed=3))
+
+
+@pytest.fixture
+def rpc_server():
+    """One ggml-rpc-server on a free 127.0.0.1 port, stopped by its pid afterwards."""
+    from pyllamapool.rpc import start_rpc_server
+    with start_rpc_server() as server:
+        yield server
+
+
+@pytest.fixture
+def rpc_servers():
+    """rpc_servers(n) -> n running servers (several devices at once)."""
+    from pyllamapool.rpc import start_rpc_server
+    started = []
+
+    def _start(n: int):
+        for _ in range(n):
+            started.append(start_rpc_server())
+        return started[-n:]
+
+    yield _start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean_pool_env(monkeypatch):
+    # the pool's environment knobs must not leak from the developer's shell into tests
+    for name in list(os.environ):
+        if name.startswith("LLAMA_MOE_POOL_") or name in ("GGML_MOE_POOL_STATS", "LLAMA_ARG_MOE_EXPERT_CACHE"):
+            monkeypatch.delenv(name)

@@ -1,0 +1,232 @@
+"""The build driver: pin verification, targets and flags, the patch-series workflow."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyllamapool import buildsys, paths, source
+from pyllamapool.errors import PatchError, PyllamapoolError, SourceError
+from pyllamapool.patches import Series, check_patches, export_patches, prepare, render_series
+from pyllamapool.pin import Pin
+from pyllamapool.runner import Runner
+
+ROOT = Path(__file__).resolve().parent.parent
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@localhost", "GIT_AUTHOR_DATE": "2020-01-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2020-01-01T00:00:00Z"}
+
+
+def driver(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "build.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+
+
+# --------------------------------------------------------------------------------------------
+# the pin
+
+
+def test_pin_names_the_upstream_commit_and_sdist():
+    pin = Pin.load()
+    assert pin.commit == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    assert pin.sdist_requirement == "llama-cpp-python==0.3.36"
+    assert len(pin.sdist_sha256) == 64
+
+
+def test_sdist_with_wrong_sha256_is_refused_with_both_hashes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYLLAMAPOOL_CACHE", str(tmp_path))
+    pin = Pin.load()
+    cached = source.cached_sdist(pin)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"not the sdist")
+    with pytest.raises(SourceError) as err:
+        source.fetch_sdist(pin, Runner())
+    text = str(err.value)
+    assert pin.sdist_sha256 in text
+    assert source.sha256_of(cached) in text
+    assert "refusing" in text
+
+
+# --------------------------------------------------------------------------------------------
+# targets and flags
+
+
+def test_unknown_target_is_rejected_with_the_valid_ones():
+    result = driver("--target", "metal", "--dry-run")
+    assert result.returncode == 2
+    for name in ("cpu", "cuda", "hip", "vulkan", "gfx906"):
+        assert name in result.stderr
+    assert "'metal'" in result.stderr
+
+
+def test_dry_run_gfx906_shows_hip_flags_and_changes_nothing(tmp_path):
+    build_dir = tmp_path / "never-created"
+    stamp_before = paths.stamp_file().read_bytes() if paths.stamp_file().exists() else None
+    result = driver("--target", "gfx906", "--dry-run", "--build-dir", str(build_dir))
+    assert result.returncode == 0, result.stderr
+    assert "-DGGML_HIP=ON" in result.stderr
+    assert "-DGPU_TARGETS=gfx906" in result.stderr
+    assert "HIPCXX=" in result.stderr
+    assert not build_dir.exists()
+    assert (paths.stamp_file().read_bytes() if paths.stamp_file().exists() else None) == stamp_before
+
+
+def test_dry_run_cuda_arch_86_shows_cuda_flags():
+    result = driver("--target", "cuda", "--arch", "86", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "-DGGML_CUDA=ON" in result.stderr
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86" in result.stderr
+
+
+def test_cpu_target_always_has_the_rpc_backend():
+    cfg = buildsys.configure_target("cpu")
+    assert "-DGGML_RPC=ON" in cfg.cmake_flags
+
+
+@pytest.mark.parametrize("target,arch,expected", [
+    ("cuda", "86;90", "86;90"), ("cuda", "86,90", "86;90"), ("hip", "gfx906;gfx1100", "gfx906;gfx1100"),
+    ("gfx906", None, "gfx906"),
+])
+def test_arch_lists_are_normalised(target, arch, expected):
+    assert buildsys.configure_target(target, arch).arch == expected
+
+
+@pytest.mark.parametrize("target,arch,needle", [
+    ("cuda", "sm86", "sm86"), ("hip", "906", "906"), ("cpu", "86", "only to --target cuda or hip"),
+    ("gfx906", "gfx1100", "implies --arch gfx906"),
+])
+def test_bad_arch_is_rejected_naming_the_value(target, arch, needle):
+    with pytest.raises(PyllamapoolError, match=needle):
+        buildsys.configure_target(target, arch)
+
+
+def test_real_build_with_a_missing_toolchain_fails_fast_with_what_to_install():
+    if buildsys._which("hipconfig"):
+        pytest.fail("this machine has ROCm: pick another missing toolchain for this test")
+    result = driver("--target", "hip")
+    assert result.returncode == 2
+    assert "ROCm" in result.stderr and "hipconfig not found" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# the patch workflow, on a small stand-in tree
+
+
+@pytest.fixture
+def fake_project(tmp_path):
+    """A project root with a tiny 'llama.cpp' source tree and an empty series."""
+    src = tmp_path / "upstream"
+    (src / "include").mkdir(parents=True)
+    (src / "include" / "llama.h").write_text("int llama(void);\n")
+    (src / "src").mkdir()
+    (src / "src" / "llama.cpp").write_text("int llama(void) { return 1; }\n")
+    root = tmp_path / "project"
+    (root / "patches").mkdir(parents=True)
+    (root / "vendor").mkdir()
+    pin = Pin("ggml-org/llama.cpp", "0" * 40, "llama-cpp-python", "0.0.0", "f" * 64, "vendor/llama.cpp")
+    return root, src, pin
+
+
+def commit_in(tree: Path, rel: str, text: str, message: str) -> None:
+    (tree / rel).write_text(text)
+    subprocess.run(["git", "add", "-A"], cwd=tree, check=True, env={**os.environ, **GIT_ENV})
+    subprocess.run(["git", "commit", "-q", "-m", message], cwd=tree, check=True, env={**os.environ, **GIT_ENV})
+
+
+def test_apply_export_round_trip_is_byte_identical(fake_project, tmp_path):
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 2; }\n", "llama : return two\n\nBecause two.")
+    commit_in(tree, "include/llama.h", "int llama(void);\nint pool(void);\n", "llama : declare pool\n\nWhy: tests.")
+    export_patches(tree, root / "patches", runner)
+    first = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
+    assert Series.load(root / "patches").names == tuple(sorted(n for n in first if n != "series"))
+
+    # a fresh pristine copy with the exported series, exported again: nothing changes
+    root2 = tmp_path / "project2"
+    (root2 / "vendor").mkdir(parents=True)
+    import shutil
+    shutil.copytree(root / "patches", root2 / "patches")
+    tree2 = prepare(pin, runner, source_path=src, root=root2)
+    assert export_patches(tree2, root2 / "patches", runner) == []
+    assert {p.name: p.read_bytes() for p in (root2 / "patches").iterdir()} == first
+    # and exporting the original again is no churn either
+    assert export_patches(tree, root / "patches", runner) == []
+
+
+def test_applying_twice_is_a_no_op(fake_project):
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 3; }\n", "llama : three")
+    export_patches(tree, root / "patches", runner)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout
+    prepare(pin, runner, source_path=src, root=root)  # series changed: vendor already matches it
+    prepare(pin, runner, source_path=src, root=root)  # stamp matches: nothing at all
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout == head
+    assert len(render_series(tree, runner)) == 1
+
+
+def test_a_broken_patch_names_itself_and_its_file(fake_project):
+    root, src, pin = fake_project
+    patch = root / "patches" / "0001-broken.patch"
+    patch.write_text(
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        "From: t <t@localhost>\nDate: Wed, 1 Jan 2020 00:00:00 +0000\nSubject: [PATCH] broken\n\n---\n"
+        "diff --git a/src/llama.cpp b/src/llama.cpp\n--- a/src/llama.cpp\n+++ b/src/llama.cpp\n"
+        "@@ -1 +1 @@\n-int something_else(void) { return 9; }\n+int llama(void) { return 4; }\n-- \n2.0\n\n")
+    (root / "patches" / "series").write_text("0001-broken.patch\n")
+    with pytest.raises(PatchError) as err:
+        prepare(pin, Runner(), source_path=src, root=root)
+    text = str(err.value)
+    assert "0001-broken.patch" in text
+    assert "src/llama.cpp" in text
+    assert "git am --abort" in text and "export-patches" in text
+
+
+def test_series_naming_a_missing_patch_is_an_error(fake_project):
+    root, _, _ = fake_project
+    (root / "patches" / "series").write_text("0001-nothere.patch\n")
+    with pytest.raises(PatchError, match="0001-nothere.patch"):
+        Series.load(root / "patches")
+
+
+def test_uncommitted_vendor_edits_block_export(fake_project):
+    root, src, pin = fake_project
+    tree = prepare(pin, Runner(), source_path=src, root=root)
+    (tree / "src" / "llama.cpp").write_text("dirty\n")
+    with pytest.raises(PatchError, match="uncommitted"):
+        export_patches(tree, root / "patches", Runner())
+
+
+# --------------------------------------------------------------------------------------------
+# the real series and the real build
+
+
+def test_the_real_series_applies_to_a_pristine_tree_and_is_current():
+    assert check_patches(Pin.load(), Runner()) == []
+
+
+def test_vendor_tree_is_ignored_and_no_upstream_source_is_tracked():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert not [f for f in tracked if f.startswith("vendor/llama.cpp/")]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "vendor/llama.cpp/include/llama.h"], cwd=ROOT)
+    assert ignored.returncode == 0
+
+
+def test_built_binaries_are_the_patched_runnable_ones(rpc_server):
+    from pyllamapool.manifest import current_series_digest, read_manifest
+    from pyllamapool.tools import tool_path
+
+    cli_help = subprocess.run([str(tool_path("llama-cli")), "--help"], capture_output=True, text=True, timeout=60)
+    assert "--moe-expert-cache" in cli_help.stdout + cli_help.stderr
+    bench_help = subprocess.run([str(tool_path("llama-bench")), "--help"], capture_output=True, text=True, timeout=60)
+    assert "--moe-expert-cache" in bench_help.stdout + bench_help.stderr
+    assert rpc_server.running and "Starting RPC server" in rpc_server.log_text()
+    manifest = read_manifest()
+    assert manifest["upstream_commit"] == Pin.load().commit
+    assert manifest["series_digest"] == current_series_digest()
