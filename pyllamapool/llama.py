@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _ffi, logs
+from . import rpc as rpc_helper
 from . import pool as pool_api
 from .errors import PyllamapoolError
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolReport, PoolStatus
@@ -89,8 +90,7 @@ def _endpoint_alive(endpoint: str) -> bool:
     """Whether an RPC server is still there. Servers started by pyllamapool.rpc are checked by
     their process; others are assumed alive: probing with a connection would queue behind the
     client the (single-client) server is serving and can fill its accept backlog."""
-    from .rpc import server_for
-    server = server_for(endpoint)
+    server = rpc_helper.server_for(endpoint)
     return server.running if server is not None else True
 
 

@@ -7,6 +7,7 @@ host with `--n-cpu-moe`, and an expert pool lives on that device. Only 127.0.0.1
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -93,8 +94,13 @@ class RpcServer:
         log = open(self.log_path, "wb")
         env = dict(os.environ)
         env.pop("LLAMA_CACHE", None)
+        argv = [str(binary), "-H", LOOPBACK, "-p", str(self.port), "-t", str(self.threads)]
+        # the server prints with stdio: line-buffer it so the log is readable while it runs
+        stdbuf = shutil.which("stdbuf")
+        if stdbuf:
+            argv = [stdbuf, "-oL", "-eL", *argv]
         self._proc = subprocess.Popen(
-            [str(binary), "-H", LOOPBACK, "-p", str(self.port), "-t", str(self.threads)],
+            argv,
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s

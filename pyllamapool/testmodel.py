@@ -202,16 +202,17 @@ def write_model(spec: ModelSpec, path: Path, quantize_bin: Path | None = None) -
         _write_gguf(spec, tmp, spec.expert_type)
         tmp.replace(path)
         return path
-    # K-quants and IQ types: write F16 experts, then let the pinned tree's llama-quantize convert them.
+    # K-quants and IQ types: the pinned tree's llama-quantize converts the experts; the override
+    # only applies with a quantized base type, so the other matrices become Q8_0
     if quantize_bin is None:
         from .tools import tool_path
         quantize_bin = tool_path("llama-quantize")
     with tempfile.TemporaryDirectory() as tmp:
-        f16 = Path(tmp) / "f16.gguf"
-        _write_gguf(spec, f16, "F16")
+        f32 = Path(tmp) / "f32.gguf"
+        _write_gguf(spec, f32, "F32")
         argv = [str(quantize_bin), "--tensor-type",
-                f"ffn_(gate|up|down)_exps={QUANTIZE_TYPES[spec.expert_type]}", str(f16),
-                str(path.with_suffix(".tmp")), "F16"]
+                f"ffn_(gate|up|down)_exps={QUANTIZE_TYPES[spec.expert_type]}", str(f32),
+                str(path.with_suffix(".tmp")), "Q8_0", "1"]
         result = subprocess.run(argv, capture_output=True, text=True)
         if result.returncode != 0:
             raise PyllamapoolError(f"llama-quantize failed for {spec.expert_type}:\n{result.stderr[-1500:]}")

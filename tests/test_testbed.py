@@ -1,0 +1,240 @@
+"""The CPU testbed: generated MoE models, the loopback RPC device, the binding, scripted decode, traces."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+
+import numpy as np
+import pytest
+
+from pyllamapool import testmodel
+from pyllamapool.decode import RunConfig, run, run_context
+from pyllamapool.errors import PyllamapoolError
+from pyllamapool.llama import Context, Model, ModelLoadError, Sampler
+from pyllamapool.rpc import RpcServer, RpcServerError, start_rpc_server
+from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream, write_model
+from pyllamapool.trace import Trace, expert_bytes_from_gguf, locality, record_trace
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# generator
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path):
+    a = write_model(ModelSpec(seed=5), tmp_path / "a.gguf")
+    b = write_model(ModelSpec(seed=5), tmp_path / "b.gguf")
+    c = write_model(ModelSpec(seed=6), tmp_path / "c.gguf")
+    assert sha(a) == sha(b)
+    assert sha(a) != sha(c)
+
+
+def test_default_model_is_a_few_megabytes(qwen3_model):
+    assert 1e6 < qwen3_model.stat().st_size < 12e6
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"arch": "llama"}, "unknown arch"), ({"expert_type": "Q3_K"}, "unknown expert type"),
+    ({"n_expert_used": 20}, "exceeds"), ({"expert_type": "Q4_K"}, "multiple of 256"),
+    ({"n_layer": 0}, "n_layer"),
+])
+def test_bad_specs_are_rejected_clearly(tmp_path, changes, needle):
+    with pytest.raises(PyllamapoolError, match=needle):
+        write_model(ModelSpec(**changes), tmp_path / "x.gguf")
+
+
+def test_token_streams_are_deterministic_and_stay_on_topic():
+    spec = ModelSpec()
+    s1 = token_stream(spec, StreamSpec(n_tokens=400, seed=1))
+    assert s1 == token_stream(spec, StreamSpec(n_tokens=400, seed=1))
+    assert s1 != token_stream(spec, StreamSpec(n_tokens=400, seed=2))
+    same_topic = sum(spec.topic_of(a) == spec.topic_of(b) for a, b in zip(s1, s1[1:])) / (len(s1) - 1)
+    assert same_topic > 0.8  # p_stay = 0.95; a uniform stream would give 1/8
+
+
+LOADABLE = [("qwen3moe", t) for t in ("F32", "F16", "Q8_0", "Q4_0", "Q4_K")] + [("qwen2moe", "F16"), ("qwen2moe", "Q8_0")]
+
+
+@pytest.mark.parametrize("arch,expert_type", LOADABLE)
+def test_llama_cpp_loads_and_decodes_every_architecture_and_storage_type(make_model, arch, expert_type):
+    wide = {"n_embd": 256, "n_ff_exp": 256} if expert_type == "Q4_K" else {}
+    path = make_model(arch=arch, expert_type=expert_type, **wide)
+    if expert_type == "Q4_K":
+        import gguf
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+        assert types["blk.0.ffn_up_exps.weight"] == "Q4_K"
+    result = run(path, [1, 2, 3], 4)
+    assert len(result.tokens) == 4
+    assert all(0 <= t < 512 for t in result.tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# the RPC device
+
+
+def test_rpc_server_starts_on_loopback_and_stops_by_pid():
+    server = start_rpc_server()
+    try:
+        assert server.endpoint.startswith("127.0.0.1:")
+        assert server.running and server.pid
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2):
+            pass
+        assert "Starting RPC server" in server.log_text()
+    finally:
+        server.stop()
+    assert not server.running
+    server.close()
+
+
+def test_several_rpc_servers_at_once(rpc_servers):
+    servers = rpc_servers(2)
+    assert len({s.port for s in servers}) == 2
+    assert all(s.running for s in servers)
+
+
+def test_busy_port_is_a_clear_error(rpc_server):
+    with pytest.raises(RpcServerError, match=f"port {rpc_server.port} .* already in use"):
+        RpcServer(rpc_server.port).start()
+
+
+def test_missing_server_binary_is_a_clear_error(tmp_path):
+    with pytest.raises(RpcServerError, match="does not exist"):
+        start_rpc_server(binary=tmp_path / "ggml-rpc-server")
+
+
+def test_unreachable_rpc_endpoint_is_a_clear_error(qwen3_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(PyllamapoolError, match="unreachable"):
+        Model(qwen3_model, n_gpu_layers=99, rpc=[f"127.0.0.1:{port}"])
+
+
+# --------------------------------------------------------------------------------------------
+# the binding: errors, logs, placement, parity
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Model(tmp_path / "nope.gguf")
+
+
+def test_non_gguf_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        Model(bad)
+
+
+def test_truncated_gguf_is_a_clear_error_not_a_crash(qwen3_model, tmp_path, caplog):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(qwen3_model.read_bytes()[: qwen3_model.stat().st_size // 2])
+    with caplog.at_level(logging.DEBUG, logger="pyllamapool.llama"):
+        with pytest.raises(ModelLoadError, match="could not load"):
+            Model(cut)
+    # llama.cpp's own errors arrive in Python logging as ERROR, not DEBUG
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_llama_cpp_info_logs_arrive_as_info(qwen3_model, caplog):
+    with caplog.at_level(logging.DEBUG, logger="pyllamapool.llama"):
+        Model(qwen3_model).close()
+    levels = {r.levelno for r in caplog.records if "load_tensors" in r.getMessage()}
+    assert logging.INFO in levels
+
+
+def expert_bytes(path) -> int:
+    return sum(sum(per.values()) * 16 for per in expert_bytes_from_gguf(path).values())
+
+
+def test_experts_on_host_and_everything_else_on_the_rpc_device(qwen3_model, rpc_server):
+    # without mmap the host buffer holds exactly the overridden tensors (a mapping spans a file range)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, use_mmap=False)
+    with Context(model) as ctx:
+        rows = {r.buffer_type: r for r in ctx.memory()}
+        host = [r for r in rows.values() if r.device == ""]
+        device = [r for r in rows.values() if r.device == "RPC0"]
+        assert device and host
+        import gguf
+        tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(qwen3_model)).tensors}
+        experts = sum(v for k, v in tensors.items() if "_exps." in k)
+        on_host = sum(r.model for r in host)
+        # host memory holds the routed experts and the input embeddings, nothing else
+        assert experts <= on_host <= experts + tensors["token_embd.weight"] + 64 * 1024
+        # attention, router and output weights are on the RPC device
+        non_expert = sum(v for k, v in tensors.items() if "_exps." not in k and k != "token_embd.weight")
+        assert sum(r.model for r in device) >= non_expert
+    model.close()
+
+
+def test_greedy_decode_cpu_and_rpc_give_identical_tokens_and_logits(qwen3_model, rpc_server, stream):
+    """Recorded finding: the RPC server runs the same CPU kernels, so logits are bit-identical."""
+    cpu = run(qwen3_model, stream[:4], 24, keep_logits=True)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    rpc = run(model, stream[:4], 24, config=RunConfig(n_gpu_layers=99), keep_logits=True)
+    model.close()
+    assert cpu.tokens == rpc.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(cpu.logits, rpc.logits))
+
+
+def test_teacher_forced_replay_feeds_the_stream_and_reports_rates(qwen3_model, stream):
+    result = run(qwen3_model, stream[:4], 0, teacher_tokens=stream[4:20])
+    assert result.mode == "teacher-forced"
+    assert len(result.tokens) == 16 and len(result.step_latency_ms) == 16
+    assert result.decode_tokens_per_s > 0 and result.prefill_tokens_per_s > 0
+
+
+def test_seeded_sampling_is_reproducible_and_differs_by_seed(qwen3_model):
+    model = Model(qwen3_model)
+    runs = []
+    for seed in (1, 1, 2):
+        with Context(model) as ctx:
+            runs.append(run_context(ctx, [5, 6], 24, sampler=Sampler(greedy=False, seed=seed, temperature=1.5)).tokens)
+    model.close()
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_text_prompts_are_tokenized_by_the_test_vocab(qwen3_model):
+    result = run(qwen3_model, "hello world", 3)
+    assert len(result.prompt_tokens) == 3  # the test vocab cuts text into 5-byte chunks
+    assert result.text
+
+
+# --------------------------------------------------------------------------------------------
+# routing traces and locality
+
+
+def test_trace_on_rpc_device_shows_locality(qwen3_model, rpc_server, tmp_path):
+    spec = ModelSpec()
+    stream = token_stream(spec, StreamSpec(n_tokens=257, seed=0))
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    trace = record_trace(model, stream[:1], stream[1:])
+    model.close()
+    assert trace.ids.shape == (256, spec.n_layer, spec.n_expert_used)
+    assert trace.ids.min() >= 0 and trace.ids.max() < spec.n_expert
+    loc = locality(trace)
+    # skew: the most-used quarter of experts carries clearly more than a quarter of the selections
+    assert np.mean(loc.top_quarter_share) > 0.4
+    # reuse: most of a token's experts were used within the previous 8 tokens
+    assert loc.reuse_window > 0.7
+    assert loc.reuse_prev > 0.3
+    saved = Trace.load(trace.save(tmp_path / "t.npz"))
+    assert np.array_equal(saved.ids, trace.ids)
+    assert saved.bytes_per_expert[0]["ffn_up_exps"] == 128 * 128 * 2
+    assert saved.meta["source"] == "recorded"
+
+
+def test_uniform_random_router_has_no_locality(make_model):
+    """The control: with topic strength 0 and no popularity skew, routing is near uniform."""
+    path = make_model(topic_strength=0.0, zipf=0.0, seed=9)
+    spec = ModelSpec(topic_strength=0.0, zipf=0.0, seed=9)
+    stream = token_stream(spec, StreamSpec(n_tokens=129, seed=4, p_stay=0.0))
+    model = Model(path)
+    loc = locality(record_trace(model, stream[:1], stream[1:]))
+    model.close()
+    assert loc.reuse_prev < 0.45
