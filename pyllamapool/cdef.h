@@ -3,7 +3,6 @@
  * that output, so no declaration is ever copied by hand. */
 #include "llama.h"
 #include "ggml-backend.h"
-#include "ggml-cpu.h"
 #include "ggml-rpc.h"
 #if __has_include("llama-moe-pool.h")
 #include "llama-moe-pool.h"
