@@ -311,6 +311,8 @@ class Context:
                                + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
         self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_free, model.rpc))
         self.init_log = [text for _, text in lines]
+        self._run_log: list[str] = []   # pool lines logged while decoding (first-use)
+        self.close_log: list[str] = []
         self.n_vocab = model.n_vocab
 
     # -- expert pool -------------------------------------------------------------------------
@@ -330,8 +332,10 @@ class Context:
         return pool_api.memory(self.handle)
 
     def pool_lines(self) -> list[str]:
-        """The `expert pool ...` lines llama.cpp logged while this context was created."""
-        return [line for line in self.init_log if line.startswith("expert pool")]
+        """The `expert pool ...` lines llama.cpp logged for this context so far (status, first-use,
+        and after close() the runtime line)."""
+        return [line for line in [*self.init_log, *self._run_log, *self.close_log]
+                if line.startswith("expert pool")]
 
     @staticmethod
     def _make_eval_callback(observe: Callable[[str], bool], observer: TensorObserver):
@@ -372,6 +376,7 @@ class Context:
         batch = lib.llama_batch_get_one(arr, len(tokens))
         with logs.capture() as lines:
             rc = lib.llama_decode(self.handle, batch)
+        self._run_log.extend(text for _, text in lines if text.startswith("expert pool"))
         if rc != 0:
             raise ContextError(f"llama_decode returned {rc}: "
                                + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
@@ -390,7 +395,9 @@ class Context:
                 batch.seq_id[i][0] = seq_ids[i]
                 batch.logits[i] = 1 if want_logits[i] else 0
             batch.n_tokens = n
-            rc = lib.llama_decode(self.handle, batch)
+            with logs.capture() as lines:
+                rc = lib.llama_decode(self.handle, batch)
+            self._run_log.extend(text for _, text in lines if text.startswith("expert pool"))
         finally:
             lib.llama_batch_free(batch)
         if rc != 0:
@@ -418,9 +425,12 @@ class Context:
         lib.llama_perf_context_reset(self.handle)
 
     def close(self) -> None:
+        """Free the context; what llama.cpp logs meanwhile (the pool's runtime line) is kept."""
         if getattr(self, "handle", None) is not None:
             handle, self.handle = self.handle, None
-            _ffi.load()[0].release(handle)
+            with logs.capture() as lines:
+                _ffi.load()[0].release(handle)
+            self.close_log = [text for _, text in lines]
 
     def __enter__(self) -> "Context":
         return self

@@ -25,11 +25,12 @@ class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
 
     slots: requested slots per offloaded expert tensor; an int for every device, or one per device.
+    device_mib: emulated device size(s) in MiB; an int for every device, or one per device.
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
     cap_mib: int | None = None
-    device_mib: int | None = None
+    device_mib: int | tuple[int, ...] | None = None
     profile: str | Path | None = None
     speculative: bool = False
 
@@ -50,8 +51,12 @@ class PoolConfig:
             raise PoolConfigError(f"slots {bad[0]!r} is invalid: slots must be whole numbers >= 0")
         for name in ("rail_mib", "cap_mib", "device_mib"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise PoolConfigError(f"{name}={value!r} is invalid: it must be a whole number of MiB >= 1")
+            values = value if isinstance(value, tuple) else (value,)
+            if name == "device_mib" and isinstance(value, tuple) and not 1 <= len(value) <= MAX_DEVICES:
+                raise PoolConfigError(f"device_mib needs 1 to {MAX_DEVICES} values, got {len(value)}")
+            for v in values:
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                    raise PoolConfigError(f"{name}={v!r} is invalid: it must be a whole number of MiB >= 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -69,7 +74,10 @@ class PoolConfig:
         if self.cap_mib is not None:
             params.cap_mib = self.cap_mib
         if self.device_mib is not None:
-            params.device_mib = self.device_mib
+            sizes = self.device_mib if isinstance(self.device_mib, tuple) else (self.device_mib,)
+            params.n_device_mib = len(sizes)
+            for i, v in enumerate(sizes):
+                params.device_mib[i] = v
         if self.profile is not None:
             text = ffi.new("char[]", str(self.profile).encode())
             keep.append(text)

@@ -1,0 +1,341 @@
+"""The expert pool end to end on the CPU + RPC testbed: parity, accounting, admission, fail-closed."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from pyllamapool.decode import run_context
+from pyllamapool.llama import Context, Model
+from pyllamapool.pool import PoolConfig, PoolConfigError, Policy
+from pyllamapool.testmodel import ModelSpec
+
+SPEC = ModelSpec()
+
+
+def decode(model: Model, stream, pool: PoolConfig | None = None, **ctx_args):
+    """Teacher-forced greedy run: (result, counters, per-pool counters, infos, status, ctx logs)."""
+    ctx = Context(model, pool=pool, **ctx_args)
+    result = run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
+    report = ctx.pool_report(per_pool=True)
+    status = ctx.pool_status()
+    ctx.close()
+    return result, report, status, ctx.pool_lines()
+
+
+def identical(a, b) -> bool:
+    return len(a.logits) == len(b.logits) and all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.fixture(params=["qwen3moe", "qwen2moe"])
+def arch_model(request, make_model):
+    return make_model(arch=request.param)
+
+
+@pytest.fixture
+def resident_reference(arch_model, rpc_server, stream):
+    """The stock path with every expert resident on the same (RPC) device."""
+    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, *_ = decode(model, stream)
+    model.close()
+    return ref
+
+
+def test_pool_decode_is_bit_identical_to_the_resident_stock_path(arch_model, rpc_server, stream, resident_reference):
+    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    for slots in (4, 6, 8, 16):  # 4 = top-k: every step evicts heavily
+        result, report, status, _ = decode(model, stream, PoolConfig(slots=slots, device_mib=65536))
+        assert status.enabled and status.actual_slots == slots
+        assert identical(result, resident_reference), f"{slots} slots changed the logits"
+        c = report.counters
+        assert c.hits + c.misses == c.lookups
+        assert c.evictions <= c.misses
+        if slots == 4:
+            assert c.evictions > 0
+        # copy_bytes = sum of the bytes of missed experts, pool by pool
+        for info, pc in zip(report.pools, report.pool_counters):
+            assert pc.copy_bytes == pc.misses * info.slot_bytes
+        assert c.copy_bytes == sum(pc.copy_bytes for pc in report.pool_counters)
+    model.close()
+
+
+def test_with_slots_for_every_expert_the_pool_stops_copying(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    ctx = Context(model, pool=PoolConfig(slots=SPEC.n_expert, device_mib=65536))
+    run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:])
+    first = ctx.pool_counters()
+    assert first.evictions == 0
+    assert first.misses <= SPEC.n_expert * 3 * SPEC.n_layer  # each expert copied at most once per pool
+    ctx.pool_reset()
+    assert ctx.pool_counters().lookups == 0
+    ctx.clear()
+    run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:])
+    second = ctx.pool_counters()
+    assert second.lookups > 0 and second.hits == second.lookups
+    assert second.misses == 0 and second.copy_bytes == 0
+    ctx.close()
+    model.close()
+
+
+def test_prefill_bypasses_the_pool_and_leaves_the_decode_set_alone(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:20])   # warm the decode set
+    before = ctx.pool_counters()
+    ctx.decode(stream[20:52])                                      # a 32-token prompt: 32 x 4 > 8
+    after = ctx.pool_counters()
+    assert after.bypassed_steps == before.bypassed_steps + 1
+    assert (after.lookups, after.misses, after.evictions) == (before.lookups, before.misses, before.evictions)
+    ctx.close()
+    model.close()
+
+
+def test_status_first_use_and_runtime_lines_match_the_counters(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    result, report, status, lines = decode(model, stream, PoolConfig(slots=8, device_mib=65536))
+    model.close()
+    status_line = next(l for l in lines if "status=" in l)
+    for key in ("requested_slots=8", "actual_slots=8", "pool_count=12", "limited_by=slots", "alloc=uniform",
+                "profile=none", "slots_min=8", "slots_med=8", "slots_max=8", "total_slots=96", "status=enabled",
+                "reason=admitted"):
+        assert key in status_line
+    assert f"bytes={status.bytes}" in status_line
+    assert "expert pool first-use=active reason=distinct-experts-within-slots" in lines
+    runtime = next(l for l in lines if "runtime" in l)
+    fields = dict(kv.split("=") for kv in runtime.split() if "=" in kv)
+    c = report.counters
+    assert int(fields["hits"]) == c.hits and int(fields["misses"]) == c.misses
+    assert int(fields["evictions"]) == c.evictions and int(fields["copy_bytes"]) == c.copy_bytes
+    assert abs(float(fields["hit_rate"]) - c.hit_rate) < 1e-4
+
+
+def test_two_sequences_in_one_batch_stay_bit_identical(qwen3_model, rpc_server, stream):
+    """Like llama-server with -np 2: each step decodes one token of each of two sequences."""
+    def two_streams(model, pool):
+        ctx = Context(model, n_seq_max=2, pool=pool)
+        a, b = stream[:36], stream[36:72]
+        n0 = 4
+        ctx.decode_batch(a[:n0] + b[:n0], list(range(n0)) * 2, [0] * n0 + [1] * n0, [False] * (2 * n0 - 1) + [True])
+        logits = []
+        for i in range(n0, 36):
+            ctx.decode_batch([a[i], b[i]], [i, i], [0, 1], [True, True])
+            logits.append((ctx.logits(0), ctx.logits(1)))
+        counters = ctx.pool_counters() if pool else None
+        ctx.close()
+        return logits, counters
+
+    ref_model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, _ = two_streams(ref_model, None)
+    ref_model.close()
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    got, counters = two_streams(model, PoolConfig(slots=8, device_mib=65536))
+    model.close()
+    assert counters.steps >= 32 and counters.lookups > 0
+    for (ra, rb), (ga, gb) in zip(ref, got):
+        assert np.array_equal(ra, ga) and np.array_equal(rb, gb)
+
+
+def test_several_contexts_on_one_model_have_their_own_pools(qwen3_model, rpc_server, stream, resident_reference_qwen3):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    c1 = Context(model, pool=PoolConfig(slots=4, device_mib=65536))
+    c2 = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    r1, r2 = [], []
+    c1.decode(stream[:8]); c2.decode(stream[:8])
+    r1.append(c1.logits()); r2.append(c2.logits())
+    for tok in stream[8:]:                      # interleaved: each step one context, then the other
+        c1.decode([tok]); r1.append(c1.logits())
+        c2.decode([tok]); r2.append(c2.logits())
+    assert c1.pool_counters().lookups == c2.pool_counters().lookups
+    assert c1.pool_counters().misses > c2.pool_counters().misses
+    c1.close(); c2.close(); model.close()
+    for a, b, ref in zip(r1, r2, resident_reference_qwen3.logits):
+        assert np.array_equal(a, ref) and np.array_equal(b, ref)
+
+
+@pytest.fixture
+def resident_reference_qwen3(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, *_ = decode(model, stream)
+    model.close()
+    return ref
+
+
+# --------------------------------------------------------------------------------------------
+# admission on the testbed
+
+
+def pool_status(model_path, rpc, pool, **model_args):
+    model = Model(model_path, n_gpu_layers=99, rpc=rpc, n_cpu_moe=99, **model_args)
+    ctx = Context(model, pool=pool)
+    statuses = [ctx.pool_status(i) for i in range(len(rpc))] if len(rpc) > 1 else [ctx.pool_status()]
+    lines = ctx.pool_lines()
+    ctx.decode([1, 2, 3])
+    ctx.decode([4])
+    counters = ctx.pool_counters()
+    memory = ctx.memory()
+    ctx.close()
+    model.close()
+    return statuses, lines, counters, memory
+
+
+def test_emulated_small_device_binds_at_the_rail_and_allocation_matches_the_plan(qwen3_model, rpc_server):
+    # in use on RPC0: ~1 MiB weights + KV + compute (~5 MiB); 1029 MiB card - 1024 rail = 5 MiB ceiling
+    statuses, lines, counters, memory = pool_status(
+        qwen3_model, [rpc_server.endpoint], PoolConfig(slots=16, device_mib=1030, rail_mib=1024))
+    s = statuses[0]
+    assert s.enabled and s.limited_by == "rail" and 4 <= s.actual_slots < 16, s
+    assert s.bytes <= s.cap
+    pool_rows = [r for r in memory if r.pool]
+    assert len(pool_rows) == 1 and pool_rows[0].device.startswith("RPC")
+    assert s.bytes <= pool_rows[0].pool <= s.bytes + 12 * 256  # the allocator's alignment padding only
+    assert counters.lookups > 0
+
+
+def test_cap_binds_when_it_is_below_the_rail_budget(qwen3_model, rpc_server):
+    # 12 pools x 32 KiB per slot = 384 KiB per slot across the device: 4 MiB hold 10 slots
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=16, device_mib=65536, cap_mib=4))
+    s = statuses[0]
+    assert s.enabled and s.limited_by == "cap" and s.actual_slots == 10 and s.bytes <= 4 * 1024 * 1024
+
+
+def test_no_room_disables_the_pool_and_decode_still_works(qwen3_model, rpc_server):
+    statuses, lines, counters, _ = pool_status(
+        qwen3_model, [rpc_server.endpoint], PoolConfig(slots=16, device_mib=1024, rail_mib=1024))
+    assert not statuses[0].enabled and statuses[0].reason == "no-room"
+    assert any("status=disabled reason=no-room" in l for l in lines)
+    assert counters.lookups == 0
+
+
+def test_a_rail_below_the_floor_is_raised_with_a_warning(qwen3_model, rpc_server, caplog):
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536, rail_mib=100))
+    assert statuses[0].enabled
+    assert statuses[0].ceiling == (65536 - 1024) * 1024 * 1024
+    assert "raised to 1024 MiB" in caplog.text
+
+
+def test_speculative_decoding_keeps_the_pool_off(qwen3_model, rpc_server):
+    statuses, lines, counters, memory = pool_status(
+        qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536, speculative=True))
+    assert not statuses[0].enabled and statuses[0].reason == "speculative"
+    assert any("status=disabled reason=speculative" in l for l in lines)
+    assert not any(r.pool for r in memory)
+
+
+def test_without_host_experts_on_an_accelerator_the_pool_says_so(qwen3_model, rpc_server):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])  # experts resident
+    ctx = Context(model, pool=PoolConfig(slots=8))
+    assert ctx.pool_status().reason == "no-offloaded-experts"
+    ctx.close(); model.close()
+    model = Model(qwen3_model)                                              # CPU only
+    ctx = Context(model, pool=PoolConfig(slots=8))
+    assert ctx.pool_status().reason == "no-offloaded-experts"
+    ctx.close(); model.close()
+
+
+def test_repacked_experts_are_excluded_with_a_reason(make_model, rpc_server, caplog):
+    path = make_model(expert_type="Q4_0")
+    model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, repack=True)
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    status = ctx.pool_status()
+    ctx.close(); model.close()
+    if "CPU_REPACK" not in caplog.text and status.enabled:
+        pytest.fail("this CPU does not repack Q4_0: the exclusion path was not exercised")
+    assert not status.enabled and "repacked" in caplog.text
+    # and without repacking, the same model pools fine
+    model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, repack=False)
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    assert ctx.pool_status().enabled
+    ctx.close(); model.close()
+
+
+@pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
+                                       ("LLAMA_MOE_POOL_DEVICE_MIB", "-4")])
+def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model, rpc_server, monkeypatch, caplog,
+                                                                      var, value):
+    monkeypatch.setenv(var, value)
+    statuses, lines, counters, _ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8))
+    assert not statuses[0].enabled and statuses[0].reason == "invalid-config"
+    assert var in caplog.text
+
+
+def test_environment_knobs_are_read_when_the_config_leaves_them_unset(qwen3_model, rpc_server, monkeypatch):
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    monkeypatch.setenv("LLAMA_MOE_POOL_CAP_MIB", "4")
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=16))
+    assert statuses[0].limited_by == "cap"
+
+
+def test_weighted_profile_shares_the_same_bytes(qwen3_model, rpc_server, tmp_path):
+    profile = tmp_path / "profile.txt"
+    profile.write_text("blk.0 0.5\nblk.1 1\nblk.2 2\nblk.3 4\nbogus line\n")
+    statuses, lines, _, _ = pool_status(qwen3_model, [rpc_server.endpoint],
+                                        PoolConfig(slots=8, device_mib=65536, profile=profile))
+    s = statuses[0]
+    assert s.enabled and s.alloc == "weighted" and s.profile == str(profile)
+    assert s.slots_min == 4 and s.slots_max == 16 and s.slots_min < s.slots_med
+    assert s.bytes <= 8 * 12 * 128 * 128 * 2
+    equal = tmp_path / "equal.txt"
+    equal.write_text("".join(f"blk.{i} 3\n" for i in range(4)))
+    statuses_eq, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536, profile=equal))
+    statuses_u, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536))
+    assert (statuses_eq[0].bytes, statuses_eq[0].total_slots) == (statuses_u[0].bytes, statuses_u[0].total_slots)
+
+
+def test_two_devices_have_two_ledgers_and_per_device_requests(qwen3_model, rpc_servers):
+    servers = rpc_servers(2)
+    statuses, lines, counters, memory = pool_status(
+        qwen3_model, [s.endpoint for s in servers], PoolConfig(slots=(8, 4), device_mib=65536))
+    names = [s.device for s in statuses]
+    assert len(set(names)) == 2 and all(n.startswith("RPC") for n in names)
+    assert [s.actual_slots for s in statuses] == [8, 4]
+    assert sum("status=enabled" in l for l in lines) == 2
+    assert [l.split("device=")[1] for l in lines if "status=" in l] == names
+    assert {r.device for r in memory if r.pool} == set(names)
+
+
+def test_two_devices_of_different_sizes_are_sized_separately(qwen3_model, rpc_servers):
+    servers = rpc_servers(2)
+    # a roomy card and a tight one: each is sized from its own ledger
+    statuses, *_ = pool_status(qwen3_model, [s.endpoint for s in servers],
+                               PoolConfig(slots=16, device_mib=(65536, 1028), rail_mib=1024))
+    big, small = statuses
+    assert big.enabled and big.limited_by == "slots" and big.actual_slots == 16
+    assert small.enabled and small.limited_by == "rail" and small.ceiling == 4 * 1024 * 1024
+    assert small.actual_slots < 16
+    assert small.bytes <= small.cap < big.cap
+
+
+def test_the_cap_is_shared_across_devices_in_proportion_to_their_budgets(qwen3_model, rpc_servers):
+    servers = rpc_servers(2)
+    statuses, *_ = pool_status(qwen3_model, [s.endpoint for s in servers],
+                               PoolConfig(slots=16, device_mib=(8192, 4096), rail_mib=1024, cap_mib=4))
+    big, small = statuses
+    assert big.limited_by == "cap" and small.limited_by == "cap"
+    assert big.cap + small.cap <= 4 * 1024 * 1024
+    assert big.cap > small.cap
+
+
+# --------------------------------------------------------------------------------------------
+# config validation and the policy on its own
+
+
+@pytest.mark.parametrize("config,needle", [
+    (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
+    (PoolConfig(slots=8, rail_mib=-1), "rail_mib"), (PoolConfig(slots=8, profile="/no/such/profile"), "does not exist"),
+    (PoolConfig(slots=tuple(range(17))), "1 to 16"),
+])
+def test_bad_pool_configs_are_rejected_in_python(config, needle):
+    with pytest.raises(PoolConfigError, match=needle):
+        config.validate()
+
+
+def test_policy_replay_api_reports_misses_and_refuses_overfull_steps():
+    policy = Policy(n_expert=8, n_slots=4)
+    slots, missed = policy.step([1, 2, 1, 3])
+    assert missed == [True, True, True, True] and slots[0] == slots[2]
+    slots, missed = policy.step([1, 5])
+    assert missed == [False, True]
+    assert policy.step([0, 1, 2, 3, 4]) is None
+    c = policy.counters()
+    assert (c.lookups, c.hits, c.misses) == (5, 1, 4)
