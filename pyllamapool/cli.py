@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -55,6 +56,72 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    help="keep all routed experts in host memory")
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=_positive, default=1024)
     p.add_argument("-t", "--threads", dest="n_threads", type=_positive)
+
+
+def _slots(text: str) -> tuple[int, ...]:
+    """-mec N or N0,N1,...: slots per offloaded tensor (0 = off)."""
+    values = _int_list(text)
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: slots must be whole numbers >= 0 (0 = pool off)")
+    return tuple(values)
+
+
+def _mib(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} MiB is invalid: it must be 1 or more")
+    return value
+
+
+def _mib_list(text: str) -> tuple[int, ...]:
+    return tuple(_mib(v) for v in text.split(","))
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
+    if sweepable:
+        p.add_argument("--slots", "-mec", "--moe-expert-cache", dest="slots", type=_slots, default=(0, 8, 16),
+                       help="slot counts to sweep, e.g. 0,8,16 (0 = pool off)")
+        p.add_argument("--rail-mib", type=_mib_list, default=(None,), help="rails to sweep (MiB)")
+        p.add_argument("--cap-mib", type=_mib_list, default=(None,), help="caps to sweep (MiB)")
+        p.add_argument("--profile", type=_existing_file, action="append", default=None,
+                       help="profile file(s) to sweep (blk.<layer> <weight> lines)")
+    else:
+        p.add_argument("-mec", "--moe-expert-cache", dest="slots", type=_slots, default=(0,),
+                       help="expert pool slots per offloaded tensor (N or N0,N1,...; 0 = off)")
+        p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
+        p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
+        p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")
+    p.add_argument("--device-mib", type=_mib_list,
+                   help="treat the device(s) as this big (MiB; N or N0,N1,...)")
+
+
+def _device_mib(args):
+    if args.device_mib is None:
+        return None
+    return args.device_mib[0] if len(args.device_mib) == 1 else args.device_mib
+
+
+def _pool_config(args):
+    from .pool import PoolConfig
+    slots = args.slots[0] if len(args.slots) == 1 else args.slots
+    return PoolConfig(slots=slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib, device_mib=_device_mib(args),
+                      profile=args.profile)
+
+
+def _offload(args, **over):
+    from .session import Offload
+    rpc = tuple(e for e in args.rpc.split(",") if e)
+    return Offload(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe,
+                   n_ctx=args.n_ctx, n_threads=args.n_threads, **over)
 
 
 def _run_config(args):
@@ -131,26 +198,88 @@ def _prompt_tokens(args, model) -> list[int]:
 
 
 def cmd_run(args) -> int:
-    from .decode import run
-    from .llama import Model
+    from .llama import Sampler
+    from .session import PoolSession
 
-    cfg = _run_config(args)
-    model = Model(args.model, n_gpu_layers=cfg.n_gpu_layers, rpc=cfg.rpc, n_cpu_moe=cfg.n_cpu_moe,
-                  cpu_moe=cfg.cpu_moe)
-    prompt = _prompt_tokens(args, model)
-    teacher = _int_list(args.teacher) if args.teacher else None
-    result = run(model, prompt, args.n_predict, config=cfg, teacher_tokens=teacher)
+    pool = _pool_config(args)
+    with PoolSession(args.model, _offload(args)) as session:
+        prompt = _prompt_tokens(args, session.model)
+        teacher = _int_list(args.teacher) if args.teacher else None
+        sampler = Sampler(greedy=args.temp <= 0, seed=args.seed, temperature=max(args.temp, 1e-6))
+        pooled = session.run(prompt, args.n_predict, pool=pool, teacher_tokens=teacher, sampler=sampler)
+    result = pooled.decode
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps({**result.to_json(), "pool": pooled.to_json()}, indent=2))
         return 0
+    for line in pooled.lines:
+        console.print(line, soft_wrap=True)
     table = Table(title=f"{Path(args.model).name}: {result.mode}", show_header=False)
     table.add_row("prompt tokens", str(len(result.prompt_tokens)))
     table.add_row("tokens", " ".join(map(str, result.tokens[:64])) + (" ..." if len(result.tokens) > 64 else ""))
     table.add_row("text", result.text[:200])
     table.add_row("prefill t/s", f"{result.prefill_tokens_per_s:.1f}")
     table.add_row("decode t/s", f"{result.decode_tokens_per_s:.1f}")
+    if pool.enabled:
+        c = pooled.counters
+        table.add_row("pool", f"{pooled.status.reason}, hits {c.hits}/{c.lookups} ({c.hit_rate:.1%}), "
+                              f"copy_bytes {c.copy_bytes:,}")
+    for row in pooled.memory:
+        table.add_row(f"memory {row.buffer_type}", f"model {row.model / 2**20:.1f} MiB, context "
+                      f"{row.context / 2**20:.1f} MiB (pool {row.pool / 2**20:.1f}), compute {row.compute / 2**20:.1f} MiB")
     console.print(table)
     return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import plan
+
+    offload = _offload(args, type_k=args.cache_type_k, type_v=args.cache_type_v,
+                       flash_attn=True if args.flash_attn == "on" else False if args.flash_attn == "off" else None)
+    result = plan(args.model, offload, _pool_config(args))
+    if args.json:
+        print(json.dumps(result.run.to_json(), indent=2))
+        return 0
+    for line in result.status_lines:
+        console.print(line, soft_wrap=True)
+    console.print(result.layer_table())
+    for d in result.run.devices:
+        why = {"slots": "the request fit", "rail": "device total - rail - memory in use",
+               "cap": "--cap-mib / LLAMA_MOE_POOL_CAP_MIB"}[d.limited_by]
+        state = f"limited_by={d.limited_by} ({why})" if d.enabled else f"off: reason={d.reason}"
+        console.print(f"{d.device}: {d.actual_slots} slots per tensor, {d.bytes / 2**20:.1f} MiB of "
+                      f"{d.cap / 2**20:.1f} MiB allowed; {state}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import SweepGrid, plot, run_sweep, sweep_table, write_json
+    from .testmodel import ModelSpec, StreamSpec, token_stream
+
+    grid = SweepGrid(slots=args.slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib,
+                     profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args))
+    from .llama import Model
+    probe = Model(args.model, no_alloc=True)
+    spec_json = probe.meta("pyllamapool.model_spec")
+    n_vocab = probe.n_vocab
+    probe.close()
+    spec = ModelSpec(**json.loads(spec_json)) if spec_json else ModelSpec(n_vocab=n_vocab, n_topics=min(8, n_vocab))
+    stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 8, seed=args.seed))
+    offload = _offload(args, n_ctx=max(args.n_ctx, args.n_tokens + 16))
+    result = run_sweep(args.model, offload, grid, stream[:8], stream[8:], repeats=args.repeats,
+                       console=err_console, progress=not args.json)
+    if args.json:
+        print(write_json(result, None))
+    else:
+        console.print(sweep_table(result))
+    if args.plot:
+        err_console.print(f"plot written to {plot(result, Path(args.plot))}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    result = run_demo(console, out_dir=args.out, n_tokens=args.n_tokens, repeats=args.repeats)
+    return 0 if result.parity else 1
 
 
 def cmd_trace(args) -> int:
@@ -225,7 +354,35 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     add_offload_args(p)
+    add_pool_args(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plan", help="what-if admission for a card size, without the card")
+    p.add_argument("model")
+    add_offload_args(p)
+    add_pool_args(p)
+    p.add_argument("-ctk", "--cache-type-k", help="KV cache type for K (f16, q8_0, ...)")
+    p.add_argument("-ctv", "--cache-type-v", help="KV cache type for V")
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("sweep", help="run one workload over a grid of pool settings")
+    p.add_argument("model")
+    add_offload_args(p)
+    add_pool_args(p, sweepable=True)
+    p.add_argument("-n", "--n-tokens", type=_positive, default=128, help="teacher-forced decode tokens")
+    p.add_argument("-r", "--repeats", type=_positive, default=3)
+    p.add_argument("--seed", type=int, default=0, help="token stream seed")
+    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--json", action="store_true", help="print the sweep as JSON (schema pyllamapool.sweep/1)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("demo", help="the pool end to end on this machine (GPU, or a loopback RPC device)")
+    p.add_argument("--out", type=Path, help="where to write sweep.png and sweep.json")
+    p.add_argument("-n", "--n-tokens", type=_positive, default=160)
+    p.add_argument("-r", "--repeats", type=_positive, default=3)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("trace", help="record routing (per token, per MoE layer) to .npz")
     p.add_argument("model")
@@ -242,6 +399,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # llama.cpp's own log goes to Python logging; on the command line show its errors only
+    # (the pool's telemetry lines are printed by the commands themselves)
+    verbose = "-v" in argv or "--verbose" in argv
+    argv = [a for a in argv if a not in ("-v", "--verbose")] if argv[:1] not in (["server"], ["cli"], ["bench"],
+                                                                                   ["rpc-server"], ["quantize"], ["build"]) else argv
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if not verbose:
+        logging.getLogger("pyllamapool.llama").setLevel(logging.ERROR)
     try:
         if argv and argv[0] == "build":
             return cmd_build(argv[1:])

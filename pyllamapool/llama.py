@@ -177,16 +177,20 @@ class Model:
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, rpc: Sequence[str] = (),
                  n_cpu_moe: int = 0, cpu_moe: bool = False,
-                 cpu_overrides: Sequence[str] = (), use_mmap: bool = True, repack: bool = True):
+                 cpu_overrides: Sequence[str] = (), use_mmap: bool = True, repack: bool = True,
+                 no_alloc: bool = False):
         ffi, lib = backend()
         self.path = Path(path)
         check_gguf(self.path)
         self._keep: list = []
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        # a no-allocation load reads no tensor data (and llama.cpp refuses it on a mapping)
+        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap and not no_alloc else lib.LLAMA_LOAD_MODE_NONE
         # repacked CPU weights are not in the device layout, so the expert pool cannot use them
         params.use_extra_bufts = repack
+        # what-if: load metadata only and let llama.cpp estimate every allocation
+        params.no_alloc = no_alloc
         # Always pass an explicit device list: RPC devices registered for an earlier model in this
         # process must not silently join this one.
         devs = [add_rpc_server(ep) for ep in rpc]
@@ -272,6 +276,17 @@ class Model:
 # ---------------------------------------------------------------------------------------------
 # context
 
+#: KV cache types llama.cpp accepts for -ctk / -ctv
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def ggml_type(name: str) -> int:
+    _, lib = backend()
+    if name.lower() not in CACHE_TYPES:
+        raise PyllamapoolError(f"cache type {name!r} is not one of {', '.join(CACHE_TYPES)}")
+    return getattr(lib, f"GGML_TYPE_{name.upper()}")
+
+
 
 #: observer(tensor_name, array) is called for every tensor whose name the filter accepts
 TensorObserver = Callable[[str, np.ndarray], None]
@@ -281,7 +296,8 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, n_threads: int | None = None,
                  observe: Callable[[str], bool] | None = None, observer: TensorObserver | None = None,
-                 flash_attn: bool | None = None, pool: "PoolConfig | None" = None):
+                 flash_attn: bool | None = None, pool: "PoolConfig | None" = None,
+                 type_k: str | None = None, type_v: str | None = None):
         ffi, lib = backend()
         self.model = model
         params = lib.llama_context_default_params()
@@ -295,6 +311,9 @@ class Context:
             params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                       else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.no_perf = False
+        for name, value in (("type_k", type_k), ("type_v", type_v)):
+            if value is not None:
+                setattr(params, name, ggml_type(value))
         self._keep: list = []
         self.pool_config = pool
         if pool is not None and pool.enabled:

@@ -1,0 +1,123 @@
+"""The high-level pool API: load a model with offload settings, run scripted decodes with a pool
+configuration, and get tokens, timings, memory, the admission status and the counters back.
+
+    from pyllamapool import Offload, PoolConfig, PoolSession
+    with PoolSession("model.gguf", Offload(n_gpu_layers=99, n_cpu_moe=48)) as session:
+        result = session.run(prompt, n_predict=64, pool=PoolConfig(slots=66))
+        print(result.status.limited_by, result.counters.hit_rate, result.counters.copy_bytes)
+
+Each run uses a fresh context, so nothing (slots, counters, KV cache) leaks between configurations.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .decode import RunResult, run_context
+from .errors import PyllamapoolError
+from .llama import Context, Model, Sampler, devices
+from .pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the model's tensors go, as llama.cpp's flags say it (-ngl, --rpc, --n-cpu-moe, ...)."""
+    n_gpu_layers: int = 99
+    rpc: tuple[str, ...] = ()
+    n_cpu_moe: int = 0
+    cpu_moe: bool = False
+    use_mmap: bool = True
+    repack: bool = False   # repacked CPU experts cannot be pooled
+    n_ctx: int = 1024
+    n_threads: int | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    flash_attn: bool | None = None
+
+
+@dataclass
+class PoolRun:
+    """One scripted decode with one pool configuration."""
+    config: PoolConfig
+    decode: RunResult
+    status: PoolStatus
+    devices: list[PoolStatus]
+    counters: PoolCounters
+    memory: list[MemoryRow]
+    lines: list[str]                      # the `expert pool ...` lines of this context
+    pools: list[PoolInfo] = field(default_factory=list)
+    pool_counters: list[PoolCounters] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()},
+            "tokens": self.decode.tokens,
+            "decode_tokens_per_s": self.decode.decode_tokens_per_s,
+            "prefill_tokens_per_s": self.decode.prefill_tokens_per_s,
+            "status": asdict(self.status), "devices": [asdict(d) for d in self.devices],
+            "counters": self.counters.to_json(),
+            "memory": [asdict(m) for m in self.memory],
+            "lines": self.lines,
+        }
+
+
+class PoolSession:
+    """A model loaded once; every run() makes its own context with its own pool."""
+
+    def __init__(self, model: str | Path, offload: Offload = Offload(), *, no_alloc: bool = False):
+        self.offload = offload
+        self.model = Model(model, n_gpu_layers=offload.n_gpu_layers, rpc=offload.rpc,
+                           n_cpu_moe=offload.n_cpu_moe, cpu_moe=offload.cpu_moe, use_mmap=offload.use_mmap,
+                           repack=offload.repack, no_alloc=no_alloc)
+        if self.model.n_expert == 0:
+            self.model.close()
+            raise PyllamapoolError(f"{model} is not a Mixture-of-Experts model (no expert_count): "
+                                   "the expert pool has nothing to cache")
+
+    @contextmanager
+    def context(self, pool: PoolConfig | None = None, **kwargs) -> Iterator[Context]:
+        o = self.offload
+        ctx = Context(self.model, n_ctx=o.n_ctx, n_threads=o.n_threads, pool=pool, type_k=o.type_k,
+                      type_v=o.type_v, flash_attn=o.flash_attn, **kwargs)
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+
+    def run(self, prompt: Sequence[int], n_predict: int = 32, *, pool: PoolConfig | None = None,
+            teacher_tokens: Sequence[int] | None = None, per_pool: bool = False,
+            keep_logits: bool = False, sampler: Sampler | None = None) -> PoolRun:
+        pool = pool or PoolConfig()
+        with self.context(pool) as ctx:
+            decoded = run_context(ctx, prompt, n_predict, teacher_tokens=teacher_tokens, sampler=sampler,
+                                  keep_logits=keep_logits)
+            report = ctx.pool_report(per_pool=per_pool)
+            memory = ctx.memory()
+        return PoolRun(pool, decoded, report.status, report.devices, report.counters, memory,
+                       ctx.pool_lines(), report.pools, report.pool_counters)
+
+    def plan(self, pool: PoolConfig) -> PoolRun:
+        """Admission only: a context is made (in a no-allocation session, nothing is allocated)."""
+        with self.context(pool) as ctx:
+            report = ctx.pool_report(per_pool=True)
+            memory = ctx.memory()
+            lines = ctx.pool_lines()
+        empty = RunResult("plan", [], [], "", [], 0.0, 0.0)
+        return PoolRun(pool, empty, report.status, report.devices, report.counters, memory, lines,
+                       report.pools, report.pool_counters)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self) -> "PoolSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def has_accelerator() -> bool:
+    """A GPU other than an RPC device (the build has CUDA, HIP or Vulkan and sees a card)."""
+    return any(d.kind in ("gpu", "igpu") and not d.name.startswith("RPC") for d in devices())
