@@ -120,8 +120,9 @@ def _pool_config(args):
 def _offload(args, **over):
     from .session import Offload
     rpc = tuple(e for e in args.rpc.split(",") if e)
-    return Offload(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe,
-                   n_ctx=args.n_ctx, n_threads=args.n_threads, **over)
+    settings = dict(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe,
+                    n_ctx=args.n_ctx, n_threads=args.n_threads)
+    return Offload(**{**settings, **over})
 
 
 def _run_config(args):

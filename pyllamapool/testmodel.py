@@ -220,6 +220,44 @@ def write_model(spec: ModelSpec, path: Path, quantize_bin: Path | None = None) -
     return path
 
 
+def write_dense_model(path: Path, seed: int = 0, n_layer: int = 2, n_embd: int = 64, n_vocab: int = 256) -> Path:
+    """A tiny dense (non-MoE) llama model: the control case for "this model has no experts"."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(1024)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(2 * n_embd)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_rope_dimension_count(n_embd // 4)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("test")
+    writer.add_token_list([f"tok_{i}" for i in range(n_vocab)])
+    writer.add_token_scores([0.0] * n_vocab)
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", w(2 * n_embd, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", w(2 * n_embd, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, 2 * n_embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
 def default_model_dir() -> Path:
     from .paths import cache_dir
     return cache_dir() / "models"

@@ -1,0 +1,202 @@
+"""The Python pool API, sweeps, the what-if plan, the demo and the `pyllamapool` command line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from pyllamapool.errors import PyllamapoolError
+from pyllamapool.plan import plan
+from pyllamapool.pool import PoolConfig
+from pyllamapool.session import Offload, PoolSession
+from pyllamapool.sweep import SWEEP_SCHEMA, SweepGrid, run_sweep, write_json
+from pyllamapool.testmodel import write_dense_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyllamapool", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+# --------------------------------------------------------------------------------------------
+# API
+
+
+def test_the_same_config_twice_gives_identical_tokens_and_counters(qwen3_model, rpc_server, stream):
+    with PoolSession(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True)) as session:
+        cfg = PoolConfig(slots=6, device_mib=65536)
+        a = session.run(stream[:8], 0, pool=cfg, teacher_tokens=stream[8:])
+        b = session.run(stream[:8], 0, pool=cfg, teacher_tokens=stream[8:])
+        other = session.run(stream[:8], 0, pool=PoolConfig(slots=12, device_mib=65536), teacher_tokens=stream[8:])
+    assert a.decode.tokens == b.decode.tokens == other.decode.tokens
+    assert a.counters == b.counters          # nothing leaks between runs: fresh context, fresh pool
+    assert other.counters.misses < a.counters.misses
+
+
+def test_counters_are_readable_mid_run_and_resettable(qwen3_model, rpc_server, stream):
+    with PoolSession(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True)) as session:
+        with session.context(PoolConfig(slots=8, device_mib=65536)) as ctx:
+            ctx.decode(stream[:4])
+            seen = []
+            for tok in stream[4:20]:
+                ctx.decode([tok])
+                seen.append(ctx.pool_counters().lookups)
+            assert seen == sorted(seen) and seen[-1] > seen[0]
+            ctx.pool_reset()
+            assert ctx.pool_counters().lookups == 0
+            ctx.decode([stream[20]])
+            assert ctx.pool_counters().lookups > 0
+
+
+def test_run_result_carries_status_counters_and_memory(qwen3_model, rpc_server, stream):
+    with PoolSession(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True)) as session:
+        run = session.run(stream[:8], 0, pool=PoolConfig(slots=8, device_mib=65536), teacher_tokens=stream[8:40],
+                          per_pool=True)
+    data = run.to_json()
+    assert data["status"]["limited_by"] == "slots" and data["status"]["pool_count"] == 12
+    assert data["counters"]["hits"] + data["counters"]["misses"] == data["counters"]["lookups"]
+    assert any(m["pool"] for m in data["memory"])
+    assert len(run.pools) == 12 and len(run.pool_counters) == 12
+    assert any(l.startswith("expert pool runtime") for l in run.lines)
+
+
+def test_a_dense_model_is_refused_by_the_pool_session(tmp_path):
+    path = write_dense_model(tmp_path / "dense.gguf")
+    with pytest.raises(PyllamapoolError, match="not a Mixture-of-Experts"):
+        PoolSession(path, Offload(n_gpu_layers=0))
+
+
+# --------------------------------------------------------------------------------------------
+# sweep, plan
+
+
+def test_sweep_json_validates_against_its_schema(qwen3_model, rpc_server, stream, tmp_path):
+    result = run_sweep(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True),
+                       SweepGrid(slots=(0, 4, 16), device_mib=65536), stream[:8], stream[8:40], repeats=2,
+                       progress=False)
+    data = json.loads(write_json(result, tmp_path / "s.json"))
+    jsonschema.validate(data, SWEEP_SCHEMA)
+    rows = {r["slots"]: r for r in data["rows"]}
+    assert rows[0]["lookups"] == 0 and rows[4]["hits"] + rows[4]["misses"] == rows[4]["lookups"]
+    assert rows[16]["copy_bytes"] < rows[4]["copy_bytes"]
+    assert all(r["tokens_match_first_row"] for r in data["rows"])
+    broken = json.loads(json.dumps(data))
+    del broken["rows"][0]["copy_bytes"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, SWEEP_SCHEMA)
+
+
+def test_plan_agrees_with_a_real_run_on_the_rpc_device(qwen3_model, rpc_server):
+    offload = Offload(rpc=(rpc_server.endpoint,), cpu_moe=True, n_ctx=2048, type_k="q8_0", type_v="q8_0",
+                      flash_attn=True)
+    # learn what weights, KV cache and compute take on the device, then size a card that binds
+    probe = plan(qwen3_model, offload, PoolConfig(slots=16, device_mib=65536, rail_mib=1024)).run.status
+    in_use = probe.ceiling - probe.cap
+    card_mib = 1024 + -(-(in_use + 3 * 2**20) // 2**20)  # room for ~8 of the 16 slots
+    cfg = PoolConfig(slots=16, device_mib=card_mib, rail_mib=1024)
+    planned = plan(qwen3_model, offload, cfg).run.status
+    with PoolSession(qwen3_model, offload) as session:
+        real = session.plan(cfg).status  # a real, allocating context
+    assert planned.limited_by == "rail" and planned.enabled
+    assert (planned.actual_slots, planned.bytes, planned.cap, planned.ceiling, planned.limited_by) == \
+        (real.actual_slots, real.bytes, real.cap, real.ceiling, real.limited_by)
+
+
+def test_plan_without_a_device_size_or_pool_is_a_clear_error(qwen3_model):
+    with pytest.raises(PyllamapoolError, match="--device-mib"):
+        plan(qwen3_model, Offload(cpu_moe=True), PoolConfig(slots=8))
+    with pytest.raises(PyllamapoolError, match="-mec"):
+        plan(qwen3_model, Offload(cpu_moe=True), PoolConfig(slots=0, device_mib=1024))
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+COMMANDS = ["build", "info", "make-model", "run", "plan", "sweep", "demo", "trace"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "{model}", "-mec", "-3"], "slots must be whole numbers >= 0"),
+    (["run", "{model}", "-mec", "x"], "not a comma-separated list"),
+    (["run", "{model}", "-mec", "8", "--profile", "/no/such/profile"], "does not exist"),
+    (["run", "{model}", "--rpc", "127.0.0.1:1", "-ngl", "99"], "unreachable"),
+    (["run", "/no/such/model.gguf"], "does not exist"),
+    (["plan", "{model}", "-mec", "8", "--device-mib", "0"], "must be 1 or more"),
+    (["plan", "{dense}", "-mec", "8", "--device-mib", "16384"], "not a Mixture-of-Experts"),
+    (["make-model", "{tmp}/x.gguf", "--type", "Q3_K"], "unknown expert type"),
+])
+def test_bad_values_exit_non_zero_with_a_one_line_reason(args, needle, qwen3_model, tmp_path):
+    dense = write_dense_model(tmp_path / "dense.gguf")
+    argv = [a.format(model=qwen3_model, dense=dense, tmp=tmp_path) for a in args]
+    result = cli(*argv)
+    assert result.returncode != 0
+    assert needle in result.stderr
+    last = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert any(needle in l for l in last[-2:])
+
+
+def test_run_prints_pool_lines_and_json(qwen3_model, rpc_server):
+    result = cli("run", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
+                 "--device-mib", "65536", "--tokens", "1,2,3", "-n", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["tokens"]) == 8
+    assert data["pool"]["status"]["enabled"] and data["pool"]["counters"]["lookups"] > 0
+
+
+def test_plan_command_prints_the_status_line_and_a_layer_table(qwen3_model):
+    result = cli("plan", str(qwen3_model), "--device-mib", "1034", "--rail-mib", "1024", "-c", "2048",
+                 "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-ngl", "99", "--n-cpu-moe", "4", "-mec", "16")
+    assert result.returncode == 0, result.stderr
+    assert "expert pool status=enabled" in result.stdout and "limited_by=rail" in result.stdout
+    assert "planned pools per layer" in result.stdout
+
+
+def test_sweep_command_json(qwen3_model, rpc_server, tmp_path):
+    png = tmp_path / "s.png"
+    result = cli("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
+                 "--slots", "0,8", "--device-mib", "65536", "-n", "24", "-r", "1", "--json", "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), SWEEP_SCHEMA)
+    assert png.stat().st_size > 10_000
+
+
+def test_demo_runs_on_the_cpu_build(tmp_path):
+    result = cli("demo", "--out", str(tmp_path), "-n", "48", "-r", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "logits bit-identical" in result.stdout
+    assert "expert pool status=enabled" in result.stdout
+    assert (tmp_path / "sweep.png").exists()
+    assert f"plot written to {tmp_path / 'sweep.png'}" in result.stdout.replace("\n", "")
+
+
+def test_launchers_pass_arguments_through_unchanged(tmp_path):
+    result = cli("bench", "--help")
+    assert "--moe-expert-cache" in result.stdout + result.stderr
+    result = cli("quantize", "--help")
+    assert "--tensor-type" in result.stdout + result.stderr
+    result = cli("server", "-mec", "nope", "-m", str(tmp_path / "none.gguf"))
+    assert result.returncode != 0 and "invalid slot count 'nope'" in result.stderr
+
+
+def test_info_reports_the_manifest_and_devices():
+    result = cli("info", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["manifest"]["upstream_commit"].startswith("0c1e57098")
+    assert data["manifest"]["target"] == "cpu"
+    assert any(d["kind"] == "cpu" for d in data["devices"])
