@@ -4,3 +4,16 @@ __version__ = "0.1.0"
 from .manifest import warn_if_stale as _warn_if_stale
 
 _warn_if_stale()
+
+# The high-level API, imported on first use: the build driver imports this package inside pip's
+# isolated build environment, where numpy and cffi are not installed.
+_API = {"Offload": "session", "PoolRun": "session", "PoolSession": "session",
+        "PoolConfig": "pool", "PoolCounters": "pool", "PoolStatus": "pool"}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+        return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    raise AttributeError(f"module 'pyllamapool' has no attribute {name!r}")
