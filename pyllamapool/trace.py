@@ -28,6 +28,8 @@ class Trace:
     top_k: int
     bytes_per_expert: dict[int, dict[str, int]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    #: the live pool's view, when recorded through it: True where the lookup missed (was copied in)
+    miss: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -37,8 +39,11 @@ class Trace:
         path = Path(path)
         meta = {**self.meta, "n_expert": self.n_expert, "top_k": self.top_k,
                 "bytes_per_expert": {str(k): v for k, v in self.bytes_per_expert.items()}}
-        np.savez_compressed(path, ids=self.ids.astype(np.int32), layers=np.asarray(self.layers, np.int32),
-                            meta=np.asarray(json.dumps(meta, sort_keys=True)))
+        arrays = {"ids": self.ids.astype(np.int32), "layers": np.asarray(self.layers, np.int32),
+                  "meta": np.asarray(json.dumps(meta, sort_keys=True))}
+        if self.miss is not None:
+            arrays["miss"] = self.miss.astype(bool)
+        np.savez_compressed(path, **arrays)
         return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
     @classmethod
@@ -47,10 +52,11 @@ class Trace:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 ids, layers = data["ids"], data["layers"].tolist()
+                miss = data["miss"] if "miss" in data.files else None
         except (OSError, KeyError, ValueError) as exc:
             raise PyllamapoolError(f"{path} is not a routing trace: {exc}") from None
         bpe = {int(k): v for k, v in meta.pop("bytes_per_expert", {}).items()}
-        return cls(ids, layers, int(meta.pop("n_expert")), int(meta.pop("top_k")), bpe, meta)
+        return cls(ids, layers, int(meta.pop("n_expert")), int(meta.pop("top_k")), bpe, meta, miss)
 
 
 def expert_bytes_from_gguf(path: str | Path) -> dict[int, dict[str, int]]:
@@ -165,3 +171,54 @@ def record_trace(model, prompt: Sequence[int], stream: Sequence[int], *, n_ctx: 
     bpe = expert_bytes_from_gguf(model.path)
     return recorder.trace(model.n_expert, model.n_expert_used, bpe,
                           {"model": str(model.path), "prompt_tokens": len(prompt), **(meta or {})})
+
+
+class PoolTraceRecorder:
+    """Records routing through the live pool's observer: per decode step and pooled layer, the
+    selected experts and whether each lookup missed. Only pooled (decode-shaped) steps are seen."""
+
+    def __init__(self, ctx) -> None:
+        from . import _ffi
+        ffi, lib, _ = _ffi.load()
+        self.steps: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
+        self._current: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+        @ffi.callback("void(int32_t, const int32_t *, const int32_t *, const uint8_t *, int32_t, void *)")
+        def observe(layer, ids, slots, miss, n, _user):
+            try:
+                if layer in self._current:
+                    self.end_step()
+                self._current[layer] = (np.frombuffer(ffi.buffer(ids, 4 * n), dtype=np.int32).copy(),
+                                        np.frombuffer(ffi.buffer(miss, n), dtype=np.uint8).astype(bool))
+            except Exception:  # never unwind into C
+                pass
+
+        self._callback = observe  # keep alive while the context may call it
+        lib.llama_moe_pool_set_observer(ctx.handle, observe, ffi.NULL)
+        self._ctx = ctx
+
+    def end_step(self) -> None:
+        if self._current:
+            self.steps.append(self._current)
+            self._current = {}
+
+    def detach(self) -> None:
+        from . import _ffi
+        ffi, lib, _ = _ffi.load()
+        if self._ctx.handle is not None:
+            lib.llama_moe_pool_set_observer(self._ctx.handle, ffi.NULL, ffi.NULL)
+
+    def trace(self, n_expert: int, top_k: int, bytes_per_expert=None, meta=None) -> Trace:
+        self.end_step()
+        if not self.steps:
+            raise PyllamapoolError("the pool saw no decode step (is it enabled? see its status line)")
+        layers = sorted(self.steps[0])
+        ids, miss = [], []
+        for step in self.steps:
+            n_tok = len(step[layers[0]][0]) // top_k
+            for t in range(n_tok):
+                sl = slice(t * top_k, (t + 1) * top_k)
+                ids.append(np.stack([step[il][0][sl] for il in layers]))
+                miss.append(np.stack([step[il][1][sl] for il in layers]))
+        return Trace(np.stack(ids).astype(np.int32), layers, n_expert, top_k, bytes_per_expert or {},
+                     {"source": "recorded", "view": "pool", **(meta or {})}, np.stack(miss))

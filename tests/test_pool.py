@@ -339,3 +339,30 @@ def test_policy_replay_api_reports_misses_and_refuses_overfull_steps():
     assert policy.step([0, 1, 2, 3, 4]) is None
     c = policy.counters()
     assert (c.lookups, c.hits, c.misses) == (5, 1, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# the live pool and its policy replayed offline agree exactly
+
+
+@pytest.mark.parametrize("slots", [4, 6, 10])
+def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rpc_server, stream, slots):
+    from pyllamapool.lab.replay import replay_product
+    from pyllamapool.trace import PoolTraceRecorder, expert_bytes_from_gguf
+
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    ctx = Context(model, pool=PoolConfig(slots=slots, device_mib=65536))
+    recorder = PoolTraceRecorder(ctx)
+    ctx.decode(stream[:8])                        # prefill: bypassed, not seen
+    for tok in stream[8:]:
+        ctx.decode([tok])
+        recorder.end_step()
+    live = ctx.pool_counters()
+    recorder.detach()
+    ctx.close()
+    model.close()
+    trace = recorder.trace(SPEC.n_expert, SPEC.n_expert_used, expert_bytes_from_gguf(qwen3_model))
+    replay = replay_product(trace, slots)
+    assert (replay.counters.lookups, replay.counters.hits, replay.counters.misses, replay.counters.evictions,
+            replay.counters.copy_bytes) == (live.lookups, live.hits, live.misses, live.evictions, live.copy_bytes)
+    assert np.array_equal(replay.miss, trace.miss)

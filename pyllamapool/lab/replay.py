@@ -1,0 +1,49 @@
+"""Replay a routing trace through the product's own slot policy (the C++ in the patch series)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pool import PoolCounters, Policy
+from ..trace import Trace
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Counters summed over pools (tensors), as the live pool's runtime line reports them."""
+    counters: PoolCounters
+    per_layer: dict[int, PoolCounters]
+    miss: np.ndarray          # [tokens, layers, top_k] True where the lookup missed
+
+
+def layer_slot_bytes(trace: Trace, layer: int) -> tuple[int, int]:
+    """(pools in this layer, bytes of one slot summed over them)."""
+    per = trace.bytes_per_expert.get(layer, {})
+    return (len(per) or 1, sum(per.values()))
+
+
+def replay_product(trace: Trace, n_slots: int | dict[int, int], kind: int = 0) -> ReplayResult:
+    """One policy per layer (gate/up/down share a slot table), stepped token by token."""
+    per_layer: dict[int, PoolCounters] = {}
+    miss = np.zeros(trace.ids.shape, dtype=bool)
+    totals = dict(lookups=0, hits=0, misses=0, evictions=0, copy_bytes=0)
+    for li, layer in enumerate(trace.layers):
+        slots = n_slots[layer] if isinstance(n_slots, dict) else n_slots
+        policy = Policy(trace.n_expert, slots, kind)
+        for t in range(trace.n_tokens):
+            step = policy.step(trace.ids[t, li].tolist())
+            if step is None:
+                raise ValueError(f"token {t} layer {layer}: {trace.top_k} experts do not fit {slots} slots")
+            miss[t, li] = step[1]
+        c = policy.counters()
+        pools, slot_bytes = layer_slot_bytes(trace, layer)
+        c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0)
+        per_layer[layer] = c
+        totals["lookups"] += c.lookups * pools
+        totals["hits"] += c.hits * pools
+        totals["misses"] += c.misses * pools
+        totals["evictions"] += c.evictions * pools
+        totals["copy_bytes"] += c.copy_bytes
+    steps = trace.n_tokens
+    return ReplayResult(PoolCounters(**totals, steps=steps, bypassed_steps=0), per_layer, miss)
