@@ -1,0 +1,147 @@
+"""The policy benchmark: bytes moved by each policy on each preset, against Belady's optimum."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pool import Policy
+from ..trace import Trace
+from .policies import POLICIES, PolicyStats, layer_steps
+from .synth import PRESETS, Preset, generate
+
+#: the product's slot policies, by the kind the C API takes
+PRODUCT_POLICIES = {"product-lru": 0}
+
+
+@dataclass
+class Row:
+    preset: str
+    slots: int
+    slot_fraction: float
+    policy: str
+    hit_rate: float
+    copy_bytes_per_token: float
+    uploads: int
+    evictions: int
+    yield_: float          # bytes served from the pool per byte uploaded
+    vs_opt: float = 0.0    # this policy's copied bytes / OPT's
+    vs_lru: float = 0.0    # this policy's copied bytes / LRU's
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["yield"] = d.pop("yield_")
+        return d
+
+
+def product_stats(steps, n_expert: int, n_slots: int, kind: int) -> tuple[PolicyStats, float]:
+    """Replay one layer through the product's C++ policy; also the seconds spent in it."""
+    policy = Policy(n_expert, n_slots, kind)
+    t0 = time.perf_counter()
+    for step in steps:
+        if policy.step(step) is None:
+            raise ValueError(f"a step of {len(step)} experts does not fit {n_slots} slots")
+    elapsed = time.perf_counter() - t0
+    c = policy.counters()
+    return PolicyStats(c.lookups, c.hits, c.misses, c.misses, c.evictions), elapsed
+
+
+def evaluate(trace: Trace, slots: int, policies: list[str], slot_bytes: int) -> tuple[dict[str, PolicyStats], float]:
+    totals = {name: PolicyStats() for name in policies}
+    product_seconds = 0.0
+    for li in range(len(trace.layers)):
+        steps = layer_steps(trace.ids, li)
+        for name in policies:
+            if name in PRODUCT_POLICIES:
+                st, secs = product_stats(steps, trace.n_expert, slots, PRODUCT_POLICIES[name])
+                product_seconds += secs
+            else:
+                st = POLICIES[name](steps, slots)
+            t = totals[name]
+            t.lookups += st.lookups
+            t.hits += st.hits
+            t.misses += st.misses
+            t.uploads += st.uploads
+            t.evictions += st.evictions
+    return totals, product_seconds
+
+
+def slot_counts(preset: Preset, fractions: tuple[float, ...]) -> list[int]:
+    return sorted({max(preset.top_k, int(round(f * preset.n_expert))) for f in fractions})
+
+
+def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), seed: int = 0,
+        policies: list[str] | None = None, n_tokens: int | None = None, n_layer: int | None = None,
+        default: str = "product-lru") -> tuple[list[Row], dict]:
+    policies = policies or ["product-lru", "lru", "lfu", "decayed", "second-touch", "opt"]
+    rows: list[Row] = []
+    timing = {"product_seconds": 0.0, "product_lookups": 0}
+    for name in presets:
+        changes = {k: v for k, v in (("n_tokens", n_tokens), ("n_layer", n_layer)) if v}
+        trace = generate(name, seed=seed, **changes)
+        preset = PRESETS[name]
+        for slots in slot_counts(preset, fractions):
+            stats, secs = evaluate(trace, slots, policies, preset.bytes_per_slot)
+            if "product-lru" in stats:
+                timing["product_seconds"] += secs
+                timing["product_lookups"] += stats["product-lru"].lookups
+            per_token = trace.n_tokens
+            opt_bytes = stats["opt"].uploads * preset.bytes_per_slot if "opt" in stats else None
+            lru_bytes = stats["lru"].uploads * preset.bytes_per_slot if "lru" in stats else None
+            for pol, st in stats.items():
+                copied = st.uploads * preset.bytes_per_slot
+                rows.append(Row(
+                    preset=name, slots=slots, slot_fraction=slots / preset.n_expert, policy=pol,
+                    hit_rate=st.hit_rate, copy_bytes_per_token=copied / per_token, uploads=st.uploads,
+                    evictions=st.evictions, yield_=(st.hits / st.uploads) if st.uploads else float("inf"),
+                    vs_opt=copied / opt_bytes if opt_bytes else float("nan"),
+                    vs_lru=copied / lru_bytes if lru_bytes else float("nan")))
+    return rows, timing
+
+
+def lru_calibration(presets: list[str], seed: int = 0) -> list[tuple[str, int, float, float]]:
+    """(preset, slots, published hit rate, synthetic LRU hit rate) for each published point."""
+    out = []
+    for name in presets:
+        preset = PRESETS[name]
+        if not preset.published:
+            continue
+        trace = generate(name, seed=seed)
+        for slots, published in preset.published:
+            stats, _ = evaluate(trace, slots, ["lru"], preset.bytes_per_slot)
+            out.append((name, slots, published, stats["lru"].hit_rate))
+    return out
+
+
+def plot(rows: list[Row], path, default: str = "product-lru") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({r.preset for r in rows}, key=list(PRESETS).index)
+    fig, axes = plt.subplots(1, len(presets), figsize=(4 * len(presets), 3.6), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        for pol in sorted({r.policy for r in rows}):
+            pts = sorted((r.slots, r.copy_bytes_per_token / 2**20) for r in rows if r.preset == preset and r.policy == pol)
+            style = "-o" if pol in (default, "opt", "lru") else "--."
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=pol, markersize=4)
+        ax.set_title(preset, fontsize=9)
+        ax.set_xlabel("slots per layer")
+        ax.set_ylabel("MiB copied per token")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("bytes moved per token by slot policy (lower is better; opt = Belady's offline bound)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary(rows: list[Row], default: str = "product-lru") -> dict[str, dict[str, float]]:
+    """Per preset: the default policy's copied bytes as a multiple of OPT and of LRU (geometric mean)."""
+    out = {}
+    for preset in sorted({r.preset for r in rows}, key=list(PRESETS).index):
+        mine = [r for r in rows if r.preset == preset and r.policy == default]
+        out[preset] = {"vs_opt": float(np.exp(np.mean([np.log(r.vs_opt) for r in mine]))),
+                       "vs_lru": float(np.exp(np.mean([np.log(r.vs_lru) for r in mine])))}
+    return out

@@ -1,0 +1,198 @@
+"""Reference slot policies in Python, and Belady's offline optimum, over one layer's routing.
+
+Each policy sees one step at a time (the step's distinct experts must all be resident to run it on
+the device) and decides what to evict; a gated policy may refuse to admit a missed expert (it then
+runs on the CPU: a miss that copies nothing). Results count lookups, hits, misses and uploads.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclass
+class PolicyStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+Steps = Sequence[Sequence[int]]
+
+
+def _distinct(step: Sequence[int]) -> list[int]:
+    seen: list[int] = []
+    for e in step:
+        if e not in seen:
+            seen.append(e)
+    return seen
+
+
+def lru(steps: Steps, n_slots: int) -> PolicyStats:
+    """Evict the least recently used expert not used in this step (the product's rule)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    s = PolicyStats()
+    for step in steps:
+        want = _distinct(step)
+        s.lookups += len(want)
+        for e in want:
+            if e in cache:
+                s.hits += 1
+                cache.move_to_end(e)
+        for e in want:
+            if e in cache:
+                continue
+            s.misses += 1
+            s.uploads += 1
+            if len(cache) >= n_slots:
+                for victim in cache:
+                    if victim not in want:
+                        del cache[victim]
+                        s.evictions += 1
+                        break
+            cache[e] = None
+            cache.move_to_end(e)
+    return s
+
+
+def _scored(steps: Steps, n_slots: int, score: Callable[[int, dict, int], float],
+            on_use: Callable[[int, int, dict], None], gate: Callable[[int, int, dict], bool] | None = None
+            ) -> PolicyStats:
+    """Generic: evict the resident expert (not used this step) with the lowest score."""
+    cache: set[int] = set()
+    state: dict = {"last": {}, "freq": {}, "score": {}, "touch": {}}
+    s = PolicyStats()
+    for t, step in enumerate(steps):
+        want = _distinct(step)
+        s.lookups += len(want)
+        for e in want:
+            if e in cache:
+                s.hits += 1
+        for e in want:
+            if e in cache:
+                continue
+            s.misses += 1
+            if gate is not None and not gate(e, t, state):
+                continue
+            if len(cache) >= n_slots:
+                victims = [c for c in cache if c not in want]
+                victim = min(victims, key=lambda c: (score(c, state, t), state["last"].get(c, -1), c))
+                cache.remove(victim)
+                s.evictions += 1
+            cache.add(e)
+            s.uploads += 1
+        for e in want:
+            on_use(e, t, state)
+    return s
+
+
+def lfu(steps: Steps, n_slots: int) -> PolicyStats:
+    def use(e, t, st):
+        st["freq"][e] = st["freq"].get(e, 0) + 1
+        st["last"][e] = t
+    return _scored(steps, n_slots, lambda c, st, t: st["freq"].get(c, 0), use)
+
+
+def decayed(steps: Steps, n_slots: int, half_life: float = 16.0) -> PolicyStats:
+    """Score = sum of uses, each decayed by 2^(-age / half_life)."""
+    lam = math.log(2) / half_life
+
+    def use(e, t, st):
+        old, when = st["score"].get(e, (0.0, t))
+        st["score"][e] = (old * math.exp(-lam * (t - when)) + 1.0, t)
+        st["last"][e] = t
+
+    def score(c, st, t):
+        val, when = st["score"].get(c, (0.0, t))
+        return val * math.exp(-lam * (t - when))
+    return _scored(steps, n_slots, score, use)
+
+
+def second_touch(steps: Steps, n_slots: int, window: int = 8) -> PolicyStats:
+    """LRU eviction, but an expert is admitted (copied) only on its second use within `window` steps;
+    a first touch runs on the CPU. Under churn this bounds bytes moved by what is reused."""
+    def use(e, t, st):
+        st["last"][e] = t
+        st["touch"][e] = t
+
+    def gate(e, t, st):
+        prev = st["touch"].get(e)
+        return prev is not None and t - prev <= window
+    return _scored(steps, n_slots, lambda c, st, t: st["last"].get(c, -1), use, gate)
+
+
+def belady(steps: Steps, n_slots: int) -> PolicyStats:
+    """Offline optimum: evict the resident expert whose next use is farthest in the future."""
+    steps = [_distinct(s) for s in steps]
+    next_use: list[dict[int, int]] = [dict() for _ in steps]
+    upcoming: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        next_use[t] = dict(upcoming)
+        for e in steps[t]:
+            upcoming[e] = t
+    cache: set[int] = set()
+    s = PolicyStats()
+    for t, want in enumerate(steps):
+        s.lookups += len(want)
+        for e in want:
+            if e in cache:
+                s.hits += 1
+        for e in want:
+            if e in cache:
+                continue
+            s.misses += 1
+            s.uploads += 1
+            if len(cache) >= n_slots:
+                victims = [c for c in cache if c not in want]
+                victim = max(victims, key=lambda c: (next_use[t].get(c, math.inf), c))
+                cache.remove(victim)
+                s.evictions += 1
+            cache.add(e)
+    return s
+
+
+def brute_force_min_misses(steps: Steps, n_slots: int) -> int:
+    """Exact minimum misses over every eviction choice (tiny traces only)."""
+    steps = [tuple(_distinct(s)) for s in steps]
+    memo: dict[tuple[int, frozenset], int] = {}
+
+    def best(t: int, cache: frozenset) -> int:
+        if t == len(steps):
+            return 0
+        key = (t, cache)
+        if key in memo:
+            return memo[key]
+        want = steps[t]
+        missing = [e for e in want if e not in cache]
+        keep = cache & frozenset(want)
+        others = sorted(cache - keep)
+        room = n_slots - len(keep) - len(missing)
+        from itertools import combinations
+        result = math.inf
+        # keep any `room`-sized subset of the other residents (more kept is never worse, but be exact)
+        for r in range(min(room, len(others)), -1, -1):
+            for kept in combinations(others, r):
+                result = min(result, len(missing) + best(t + 1, keep | frozenset(missing) | frozenset(kept)))
+        memo[key] = result
+        return result
+
+    return best(0, frozenset())
+
+
+POLICIES: dict[str, Callable[[Steps, int], PolicyStats]] = {
+    "lru": lru, "lfu": lfu, "decayed": decayed, "second-touch": second_touch, "opt": belady,
+}
+
+
+def layer_steps(ids: np.ndarray, layer_index: int) -> list[list[int]]:
+    return [row.tolist() for row in ids[:, layer_index, :]]
