@@ -284,25 +284,50 @@ def cmd_demo(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from .llama import Model
+    from .llama import Context, Model
     from .testmodel import ModelSpec, StreamSpec, token_stream
-    from .trace import locality, record_trace
+    from .trace import PoolTraceRecorder, expert_bytes_from_gguf, locality, record_trace
 
-    cfg = _run_config(args)
-    model = Model(args.model, n_gpu_layers=cfg.n_gpu_layers, rpc=cfg.rpc, n_cpu_moe=cfg.n_cpu_moe,
-                  cpu_moe=cfg.cpu_moe)
+    offload = _offload(args)
+    pool = _pool_config(args)
+    model = Model(args.model, n_gpu_layers=offload.n_gpu_layers, rpc=offload.rpc, n_cpu_moe=offload.n_cpu_moe,
+                  cpu_moe=offload.cpu_moe, repack=False)
+    if model.n_expert == 0:
+        raise PyllamapoolError(f"{args.model} is not a Mixture-of-Experts model: nothing to trace")
     spec_json = model.meta("pyllamapool.model_spec")
     spec = ModelSpec(**json.loads(spec_json)) if spec_json else ModelSpec(n_vocab=model.n_vocab)
     stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 1, seed=args.seed))
-    trace = record_trace(model, stream[:1], stream[1:], n_ctx=max(args.n_ctx, args.n_tokens + 8),
-                         meta={"stream_seed": args.seed})
+    n_ctx = max(args.n_ctx, args.n_tokens + 8)
+    meta = {"stream_seed": args.seed}
+    if pool.enabled:
+        # the pool's view: the experts each pooled decode step looked up, and which ones missed
+        ctx = Context(model, n_ctx=n_ctx, n_threads=args.n_threads, pool=pool)
+        recorder = PoolTraceRecorder(ctx)
+        ctx.decode(stream[:1])
+        for tok in stream[1:]:
+            ctx.decode([tok])
+            recorder.end_step()
+        recorder.detach()
+        for line in ctx.pool_lines():
+            console.print(line, soft_wrap=True)
+        ctx.close()
+        for line in ctx.close_log:
+            if line.startswith("expert pool runtime"):
+                console.print(line, soft_wrap=True)
+        trace = recorder.trace(model.n_expert, model.n_expert_used, expert_bytes_from_gguf(args.model),
+                               {"model": str(args.model), **meta})
+    else:
+        trace = record_trace(model, stream[:1], stream[1:], n_ctx=n_ctx, meta=meta)
+    model.close()
     out = trace.save(args.output)
     loc = locality(trace)
     console.print(f"wrote {out}: {trace.n_tokens} tokens x {len(trace.layers)} MoE layers, top-{trace.top_k} "
-                  f"of {trace.n_expert}")
+                  f"of {trace.n_expert}" + (", with the pool's hit/miss per lookup" if trace.miss is not None else ""))
     console.print(f"top-25% experts carry {sum(loc.top_quarter_share) / len(loc.top_quarter_share):.0%} "
                   f"of selections; reuse from previous token {loc.reuse_prev:.0%}, within {loc.window} "
                   f"tokens {loc.reuse_window:.0%}")
+    if trace.miss is not None:
+        console.print(f"pool view: {1 - trace.miss.mean():.1%} of lookups hit")
     return 0
 
 
@@ -391,6 +416,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-tokens", type=_positive, default=256)
     p.add_argument("--seed", type=int, default=0, help="token stream seed")
     add_offload_args(p)
+    add_pool_args(p)
     p.set_defaults(func=cmd_trace)
 
     for name, tool in LAUNCHERS.items():

@@ -200,3 +200,16 @@ def test_info_reports_the_manifest_and_devices():
     assert data["manifest"]["upstream_commit"].startswith("0c1e57098")
     assert data["manifest"]["target"] == "cpu"
     assert any(d["kind"] == "cpu" for d in data["devices"])
+
+
+def test_trace_command_records_the_pool_view(qwen3_model, rpc_server, tmp_path):
+    from pyllamapool.trace import Trace
+    out = tmp_path / "pool.npz"
+    result = cli("trace", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
+                 "--device-mib", "65536", "-n", "40", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    trace = Trace.load(out)
+    assert trace.miss is not None and trace.miss.shape == trace.ids.shape
+    runtime = next(l for l in result.stdout.splitlines() if "expert pool runtime" in l)
+    misses = int(runtime.split("misses=")[1].split()[0])
+    assert misses == int(trace.miss.sum()) * 3  # three pools (gate, up, down) share each layer's lookups
