@@ -1,0 +1,116 @@
+"""The patched llama-server on the RPC testbed: pool lines, -np 2 parity, fail-closed under speculation."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+
+from pyllamapool.tools import tool_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def llama_server(model, *args: str):
+    port = free_port()
+    argv = [str(tool_path("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-c", "2048", "-t", "1", "--no-warmup", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError("llama-server exited:\n" + "".join(lines[-30:]))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("llama-server did not become healthy:\n" + "".join(lines[-30:]))
+        yield port, lines
+    finally:
+        proc.send_signal(2)  # SIGINT: a clean shutdown logs the pool's runtime line
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+
+
+def complete(port: int, prompt: str, n: int = 24) -> dict:
+    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "n_probs": 5, "cache_prompt": False,
+                       "seed": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def together(port: int, prompts: list[str], n: int = 24) -> list[dict]:
+    """One request with several prompts: the server starts their slots in the same iteration, so the
+    sequences decode in shared batches with the same composition on every run (separate concurrent
+    requests race, and batch composition changes the stock path's own numerics)."""
+    body = json.dumps({"prompt": prompts, "n_predict": n, "temperature": 0, "n_probs": 5,
+                       "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=180) as r:
+        results = json.loads(r.read())
+    assert isinstance(results, list) and len(results) == len(prompts)
+    return results
+
+
+PROMPTS = ["the quick brown fox jumps over", "a completely different request here"]
+
+
+def logprobs(result: dict):
+    return [[(p["id"], p["logprob"]) for p in step["top_logprobs"]] for step in result["completion_probabilities"]]
+
+
+def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_model, rpc_server, monkeypatch):
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "-np", "2") as (port, _):
+        reference = together(port, PROMPTS)
+    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "-np", "2", "--cpu-moe",
+                      "-mec", "8") as (port, lines):
+        pooled = together(port, PROMPTS)
+    text = "".join(lines)
+    assert "expert pool status=enabled" in text and "limited_by=slots" in text
+    assert "expert pool first-use=active" in text
+    runtime = [l for l in lines if "expert pool runtime" in l]
+    assert runtime and int(runtime[0].split("lookups=")[1].split()[0]) > 0
+    for ref, got in zip(reference, pooled):
+        assert ref["content"] == got["content"]
+        assert logprobs(ref) == logprobs(got)  # exact: top-5 log-probabilities of every step
+
+
+def test_server_with_speculative_decoding_keeps_the_pool_off(qwen3_model, rpc_server):
+    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
+                      "--spec-type", "ngram-simple") as (port, lines):
+        result = complete(port, PROMPTS[0], 8)
+    assert result["content"]
+    text = "".join(lines)
+    assert "expert pool status=disabled reason=speculative" in text
+    assert "first-use" not in text
+
+
+@pytest.mark.parametrize("flag", ["-mec", "--moe-expert-cache"])
+def test_server_rejects_bad_slot_counts_naming_the_value(qwen3_model, flag):
+    result = subprocess.run([str(tool_path("llama-server")), "-m", str(qwen3_model), flag, "4,x"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "invalid slot count 'x'" in result.stderr + result.stdout
