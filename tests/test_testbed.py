@@ -157,7 +157,7 @@ def test_experts_on_host_and_everything_else_on_the_rpc_device(qwen3_model, rpc_
     with Context(model) as ctx:
         rows = {r.buffer_type: r for r in ctx.memory()}
         host = [r for r in rows.values() if r.device == ""]
-        device = [r for r in rows.values() if r.device == "RPC0"]
+        device = [r for r in rows.values() if r.device.startswith("RPC")]
         assert device and host
         import gguf
         tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(qwen3_model)).tensors}
