@@ -33,13 +33,17 @@ def arch_model(request, make_model):
     return make_model(arch=request.param)
 
 
-@pytest.fixture
-def resident_reference(arch_model, rpc_server, stream):
+def resident_run(model_path, rpc_server, stream):
     """The stock path with every expert resident on the same (RPC) device."""
-    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    model = Model(model_path, n_gpu_layers=99, rpc=[rpc_server.endpoint])
     ref, *_ = decode(model, stream)
     model.close()
     return ref
+
+
+@pytest.fixture
+def resident_reference(arch_model, rpc_server, stream):
+    return resident_run(arch_model, rpc_server, stream)
 
 
 def test_pool_decode_is_bit_identical_to_the_resident_stock_path(arch_model, rpc_server, stream, resident_reference):
@@ -155,10 +159,7 @@ def test_several_contexts_on_one_model_have_their_own_pools(qwen3_model, rpc_ser
 
 @pytest.fixture
 def resident_reference_qwen3(qwen3_model, rpc_server, stream):
-    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
-    ref, *_ = decode(model, stream)
-    model.close()
-    return ref
+    return resident_run(qwen3_model, rpc_server, stream)
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,32 +133,16 @@ def second_touch(steps: Steps, n_slots: int, window: int = 8) -> PolicyStats:
 
 def belady(steps: Steps, n_slots: int) -> PolicyStats:
     """Offline optimum: evict the resident expert whose next use is farthest in the future."""
-    steps = [_distinct(s) for s in steps]
     next_use: list[dict[int, int]] = [dict() for _ in steps]
     upcoming: dict[int, int] = {}
     for t in range(len(steps) - 1, -1, -1):
         next_use[t] = dict(upcoming)
         for e in steps[t]:
             upcoming[e] = t
-    cache: set[int] = set()
-    s = PolicyStats()
-    for t, want in enumerate(steps):
-        s.lookups += len(want)
-        for e in want:
-            if e in cache:
-                s.hits += 1
-        for e in want:
-            if e in cache:
-                continue
-            s.misses += 1
-            s.uploads += 1
-            if len(cache) >= n_slots:
-                victims = [c for c in cache if c not in want]
-                victim = max(victims, key=lambda c: (next_use[t].get(c, math.inf), c))
-                cache.remove(victim)
-                s.evictions += 1
-            cache.add(e)
-    return s
+
+    def use(e, t, st):
+        st["last"][e] = t
+    return _scored(steps, n_slots, lambda c, st, t: -next_use[t].get(c, math.inf), use)
 
 
 def brute_force_min_misses(steps: Steps, n_slots: int) -> int:
