@@ -59,10 +59,11 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _slots(text: str) -> tuple[int, ...]:
-    """-mec N or N0,N1,...: slots per offloaded tensor (0 = off)."""
+    """-mec N or N0,N1,...: slots per offloaded tensor (0 = off, -1 = as many as fit)."""
     values = _int_list(text)
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: slots must be whole numbers >= 0 (0 = pool off)")
+    if not values or any(v < -1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: slots must be whole numbers >= 0 (0 = pool off) or -1 "
+                                         "(as many as the ledger allows)")
     return tuple(values)
 
 
@@ -96,7 +97,7 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
                        help="profile file(s) to sweep (blk.<layer> <weight> lines)")
     else:
         p.add_argument("-mec", "--moe-expert-cache", dest="slots", type=_slots, default=(0,),
-                       help="expert pool slots per offloaded tensor (N or N0,N1,...; 0 = off)")
+                       help="expert pool slots per offloaded tensor (N or N0,N1,...; 0 = off, -1 = as many as fit)")
         p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
         p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
         p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")

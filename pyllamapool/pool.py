@@ -24,7 +24,8 @@ class PoolConfigError(PyllamapoolError):
 class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
 
-    slots: requested slots per offloaded expert tensor; an int for every device, or one per device.
+    slots: requested slots per offloaded expert tensor; an int for every device, or one per device;
+        0 = off, -1 = as many as the ledger allows (up to every expert).
     device_mib: emulated device size(s) in MiB; an int for every device, or one per device.
     """
     slots: int | tuple[int, ...] = 0
@@ -46,9 +47,10 @@ class PoolConfig:
         slots = self.slot_list
         if not slots or len(slots) > MAX_DEVICES:
             raise PoolConfigError(f"slots needs 1 to {MAX_DEVICES} values, got {len(slots)}")
-        bad = [s for s in slots if not isinstance(s, int) or s < 0]
+        bad = [s for s in slots if not isinstance(s, int) or s < -1]
         if bad:
-            raise PoolConfigError(f"slots {bad[0]!r} is invalid: slots must be whole numbers >= 0")
+            raise PoolConfigError(f"slots {bad[0]!r} is invalid: slots must be whole numbers >= 0, or -1 "
+                                  "(as many as the ledger allows)")
         for name in ("rail_mib", "cap_mib", "device_mib"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)

@@ -42,7 +42,7 @@ SWEEP_SCHEMA = {
                          "hit_rate", "copy_bytes_per_token", "steps", "bypassed_steps", "decode_tps",
                          "tokens_match_first_row"],
             "properties": {
-                "slots": {"type": "integer", "minimum": 0},
+                "slots": {"type": "integer", "minimum": -1},
                 "rail_mib": {"type": ["integer", "null"]},
                 "cap_mib": {"type": ["integer", "null"]},
                 "profile": {"type": ["string", "null"]},

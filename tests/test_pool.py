@@ -317,12 +317,22 @@ def test_the_cap_is_shared_across_devices_in_proportion_to_their_budgets(qwen3_m
     assert big.cap > small.cap
 
 
+def test_auto_size_fills_what_the_ledger_allows(qwen3_model, rpc_server):
+    statuses, lines, counters, _ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=-1, device_mib=65536))
+    roomy = statuses[0]
+    assert roomy.enabled and roomy.requested_slots == -1 and roomy.actual_slots == SPEC.n_expert
+    assert any("requested_slots=-1" in l for l in lines) and counters.lookups > 0
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=-1, device_mib=65536, cap_mib=4))
+    capped = statuses[0]
+    assert capped.enabled and capped.limited_by == "cap" and 0 < capped.actual_slots < SPEC.n_expert
+
+
 # --------------------------------------------------------------------------------------------
 # config validation and the policy on its own
 
 
 @pytest.mark.parametrize("config,needle", [
-    (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
+    (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=(8, -3)), "-3"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
     (PoolConfig(slots=8, rail_mib=-1), "rail_mib"), (PoolConfig(slots=8, profile="/no/such/profile"), "does not exist"),
     (PoolConfig(slots=tuple(range(17))), "1 to 16"),
 ])
