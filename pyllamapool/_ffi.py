@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,14 @@ def candidate_dirs() -> list[Path]:
     override = os.environ.get(paths.LIB_DIR_ENV)
     if override:
         return [Path(override)]
-    return [paths.installed_lib_dir()]
+    dirs = [paths.installed_lib_dir()]
+    # an editable install (scikit-build-core) puts the built files in site-packages, not beside
+    # the source package
+    for key in ("platlib", "purelib"):
+        site = Path(sysconfig.get_paths()[key]) / "pyllamapool" / "lib"
+        if site not in dirs:
+            dirs.append(site)
+    return dirs
 
 
 def locate() -> NativeLocation:

@@ -11,10 +11,11 @@ TOOLS = ("llama-server", "llama-cli", "llama-bench", "llama-quantize", "ggml-rpc
 
 
 def bin_dirs() -> list[Path]:
+    from ._ffi import candidate_dirs
     override = os.environ.get(paths.LIB_DIR_ENV)
     if override:
         return [Path(override).parent / "bin", Path(override)]
-    return [paths.installed_bin_dir()]
+    return [lib.parent / "bin" for lib in candidate_dirs()]
 
 
 def tool_path(name: str) -> Path:
