@@ -377,3 +377,38 @@ def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rp
     assert (replay.counters.lookups, replay.counters.hits, replay.counters.misses, replay.counters.evictions,
             replay.counters.copy_bytes) == (live.lookups, live.hits, live.misses, live.evictions, live.copy_bytes)
     assert np.array_equal(replay.miss, trace.miss)
+
+
+# --------------------------------------------------------------------------------------------
+# another expert layout: fused gate_up experts with per-expert scales (cohere2moe)
+
+
+@pytest.fixture(scope="module")
+def fused_gate_up_model(tmp_path_factory):
+    """A random cohere2moe model from llama.cpp's own test-llama-archs (in the CPU build folder)."""
+    import subprocess
+    from pathlib import Path
+    tool = Path(__file__).resolve().parent.parent / "build" / "cpu" / "bin" / "test-llama-archs"
+    assert tool.exists(), "test-llama-archs is built by `python build.py --target cpu`"
+    out = tmp_path_factory.mktemp("archs")
+    subprocess.run([str(tool), "-a", "cohere2moe", "-s", "7", "-o", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    path = out / "cohere2moe-moe.gguf"
+    import gguf
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert "blk.1.ffn_gate_up_exps.weight" in names and "blk.1.ffn_down_exps.scale" in names
+    return path
+
+
+def test_fused_gate_up_experts_with_scales_pool_bit_identically(fused_gate_up_model, rpc_server):
+    stream = list(range(5, 45))
+    model = Model(fused_gate_up_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, *_ = decode(model, stream)
+    model.close()
+    model = Model(fused_gate_up_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    result, report, status, _ = decode(model, stream, PoolConfig(slots=2, device_mib=65536))
+    model.close()
+    assert status.enabled
+    assert {i.tensor for i in report.pools} == {"blk.1.ffn_gate_up_exps.weight", "blk.1.ffn_down_exps.weight"}
+    assert report.counters.hits > 0
+    assert identical(result, ref)
