@@ -14,3 +14,14 @@ def test_ctest_expert_pool_passes():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "100% tests passed out of 1" in result.stdout
+
+
+def test_upstream_test_llama_archs_still_passes():
+    """The series touches llama-graph (build_moe_ffn, build_lora_mm_id) and llama-context: every
+    architecture's random model must still build and run (pool off, the default)."""
+    tool = ROOT / "build" / "cpu" / "bin" / "test-llama-archs"
+    assert tool.exists(), "no CPU build: run `python build.py --target cpu`"
+    result = subprocess.run([str(tool)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    summary = [l for l in (result.stdout + result.stderr).splitlines() if l.startswith("Summary:")]
+    assert summary and "passed" in summary[0] and "fail" not in summary[0].lower()
