@@ -7,7 +7,7 @@ _warn_if_stale()
 
 # The high-level API, imported on first use: the build driver imports this package inside pip's
 # isolated build environment, where numpy and cffi are not installed.
-_API = {"Offload": "session", "PoolRun": "session", "PoolSession": "session",
+_API = {"Offload": "offload", "PoolRun": "session", "PoolSession": "session",
         "PoolConfig": "pool", "PoolCounters": "pool", "PoolStatus": "pool"}
 __all__ = sorted(_API)
 

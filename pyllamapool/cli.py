@@ -119,20 +119,11 @@ def _pool_config(args):
 
 
 def _offload(args, **over):
-    from .session import Offload
+    from .offload import Offload
     rpc = tuple(e for e in args.rpc.split(",") if e)
     settings = dict(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe,
                     n_ctx=args.n_ctx, n_threads=args.n_threads)
     return Offload(**{**settings, **over})
-
-
-def _run_config(args):
-    from .decode import RunConfig
-    rpc = tuple(e for e in args.rpc.split(",") if e)
-    return RunConfig(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe,
-                     cpu_moe=args.cpu_moe, n_ctx=args.n_ctx, n_threads=args.n_threads,
-                     greedy=getattr(args, "temp", 0.0) <= 0, seed=getattr(args, "seed", 0),
-                     temperature=max(getattr(args, "temp", 0.8), 1e-6))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,22 +14,7 @@ import numpy as np
 
 from .errors import PyllamapoolError
 from .llama import Context, Model, Sampler
-
-
-@dataclass
-class RunConfig:
-    """How to load and run: offload settings plus decode settings."""
-    n_gpu_layers: int = 0
-    rpc: tuple[str, ...] = ()
-    n_cpu_moe: int = 0
-    cpu_moe: bool = False
-    n_ctx: int = 1024
-    n_batch: int = 512
-    n_threads: int | None = None
-    greedy: bool = True
-    seed: int = 0
-    temperature: float = 0.8
-    top_k: int = 40
+from .offload import Offload
 
 
 @dataclass
@@ -95,18 +80,15 @@ def run_context(ctx: Context, prompt: Sequence[int], n_predict: int = 32, *,
 
 
 def run(model: str | Path | Model, tokens: Sequence[int] | str, n_predict: int = 32, *,
-        config: RunConfig = RunConfig(), teacher_tokens: Sequence[int] | None = None,
-        keep_logits: bool = False) -> RunResult:
+        offload: Offload | None = None, sampler: Sampler | None = None,
+        teacher_tokens: Sequence[int] | None = None, keep_logits: bool = False) -> RunResult:
     """Load (if a path), prefill `tokens` (ids, or text to tokenize), decode; return the result."""
+    offload = offload or Offload(n_gpu_layers=0)
     owned = not isinstance(model, Model)
-    mdl = Model(model, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc, n_cpu_moe=config.n_cpu_moe,
-                cpu_moe=config.cpu_moe) if owned else model
+    mdl = offload.load(model) if owned else model
     try:
         prompt = mdl.tokenize(tokens) if isinstance(tokens, str) else list(tokens)
-        with Context(mdl, n_ctx=config.n_ctx, n_batch=config.n_batch,
-                     n_threads=config.n_threads) as ctx:
-            sampler = Sampler(greedy=config.greedy, seed=config.seed, temperature=config.temperature,
-                              top_k=config.top_k)
+        with Context(mdl, n_ctx=offload.n_ctx, n_threads=offload.n_threads) as ctx:
             return run_context(ctx, prompt, n_predict, teacher_tokens=teacher_tokens, sampler=sampler,
                                keep_logits=keep_logits)
     finally:

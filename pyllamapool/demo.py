@@ -17,7 +17,8 @@ from rich.console import Console
 from .paths import cache_dir
 from .pool import PoolConfig
 from .rpc import start_rpc_server
-from .session import Offload, PoolSession, has_accelerator
+from .offload import Offload
+from .session import PoolSession, has_accelerator
 from .sweep import SweepGrid, plot, run_sweep, sweep_table, write_json
 from .testmodel import ModelSpec, StreamSpec, cached_model, token_stream
 

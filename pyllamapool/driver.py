@@ -5,7 +5,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
 
 from . import buildsys, paths
 from .errors import PyllamapoolError

@@ -16,7 +16,8 @@ from rich.table import Table
 from .errors import PyllamapoolError
 from .pool import PoolConfig
 from .rpc import start_rpc_server
-from .session import Offload, PoolRun, PoolSession, has_accelerator
+from .offload import Offload
+from .session import PoolRun, PoolSession, has_accelerator
 
 
 @dataclass

@@ -17,24 +17,9 @@ from typing import Iterator, Sequence
 
 from .decode import RunResult, run_context
 from .errors import PyllamapoolError
-from .llama import Context, Model, Sampler, devices
+from .llama import Context, Sampler, devices
+from .offload import Offload
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
-
-
-@dataclass(frozen=True)
-class Offload:
-    """Where the model's tensors go, as llama.cpp's flags say it (-ngl, --rpc, --n-cpu-moe, ...)."""
-    n_gpu_layers: int = 99
-    rpc: tuple[str, ...] = ()
-    n_cpu_moe: int = 0
-    cpu_moe: bool = False
-    use_mmap: bool = True
-    repack: bool = False   # repacked CPU experts cannot be pooled
-    n_ctx: int = 1024
-    n_threads: int | None = None
-    type_k: str | None = None
-    type_v: str | None = None
-    flash_attn: bool | None = None
 
 
 @dataclass
@@ -68,9 +53,7 @@ class PoolSession:
 
     def __init__(self, model: str | Path, offload: Offload = Offload(), *, no_alloc: bool = False):
         self.offload = offload
-        self.model = Model(model, n_gpu_layers=offload.n_gpu_layers, rpc=offload.rpc,
-                           n_cpu_moe=offload.n_cpu_moe, cpu_moe=offload.cpu_moe, use_mmap=offload.use_mmap,
-                           repack=offload.repack, no_alloc=no_alloc)
+        self.model = offload.load(model, no_alloc=no_alloc)
         if self.model.n_expert == 0:
             self.model.close()
             raise PyllamapoolError(f"{model} is not a Mixture-of-Experts model (no expert_count): "

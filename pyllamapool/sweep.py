@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .pool import PoolConfig
-from .session import Offload, PoolSession
+from .offload import Offload
+from .session import PoolSession
 
 SCHEMA_ID = "pyllamapool.sweep/1"
 

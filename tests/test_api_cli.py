@@ -13,7 +13,8 @@ import pytest
 from pyllamapool.errors import PyllamapoolError
 from pyllamapool.plan import plan
 from pyllamapool.pool import PoolConfig
-from pyllamapool.session import Offload, PoolSession
+from pyllamapool.offload import Offload
+from pyllamapool.session import PoolSession
 from pyllamapool.sweep import SWEEP_SCHEMA, SweepGrid, run_sweep, write_json
 from pyllamapool.testmodel import write_dense_model
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 
 import cffi
 import pytest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pyllamapool.lab import bench
-from pyllamapool.lab.policies import POLICIES, belady, brute_force_min_misses, layer_steps, lru
+from pyllamapool.lab.policies import POLICIES, belady, brute_force_min_misses, layer_steps
 from pyllamapool.lab.replay import replay_product
 from pyllamapool.lab.synth import PRESETS, generate
 from pyllamapool.trace import Trace, locality

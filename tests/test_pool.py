@@ -1,7 +1,6 @@
 """The expert pool end to end on the CPU + RPC testbed: parity, accounting, admission, fail-closed."""
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest

@@ -8,8 +8,8 @@ import socket
 import numpy as np
 import pytest
 
-from pyllamapool import testmodel
-from pyllamapool.decode import RunConfig, run, run_context
+from pyllamapool.decode import run, run_context
+from pyllamapool.offload import Offload
 from pyllamapool.errors import PyllamapoolError
 from pyllamapool.llama import Context, Model, ModelLoadError, Sampler
 from pyllamapool.rpc import RpcServer, RpcServerError, start_rpc_server
@@ -175,7 +175,7 @@ def test_greedy_decode_cpu_and_rpc_give_identical_tokens_and_logits(qwen3_model,
     """Recorded finding: the RPC server runs the same CPU kernels, so logits are bit-identical."""
     cpu = run(qwen3_model, stream[:4], 24, keep_logits=True)
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    rpc = run(model, stream[:4], 24, config=RunConfig(n_gpu_layers=99), keep_logits=True)
+    rpc = run(model, stream[:4], 24, offload=Offload(n_gpu_layers=99), keep_logits=True)
     model.close()
     assert cpu.tokens == rpc.tokens
     assert all(np.array_equal(a, b) for a, b in zip(cpu.logits, rpc.logits))
