@@ -73,5 +73,5 @@ def rpc_servers():
 def _clean_pool_env(monkeypatch):
     # the pool's environment knobs must not leak from the developer's shell into tests
     for name in list(os.environ):
-        if name.startswith("LLAMA_MOE_POOL_") or name in ("GGML_MOE_POOL_STATS", "LLAMA_ARG_MOE_EXPERT_CACHE"):
+        if name.startswith(("LLAMA_MOE_POOL_", "GGML_MOE_POOL_")) or name == "LLAMA_ARG_MOE_EXPERT_CACHE":
             monkeypatch.delenv(name)

@@ -411,3 +411,23 @@ def test_fused_gate_up_experts_with_scales_pool_bit_identically(fused_gate_up_mo
     assert {i.tensor for i in report.pools} == {"blk.1.ffn_gate_up_exps.weight", "blk.1.ffn_down_exps.weight"}
     assert report.counters.hits > 0
     assert identical(result, ref)
+
+
+def test_a_failed_allocation_releases_every_pool_and_decode_goes_on(qwen3_model, rpc_servers, monkeypatch, caplog):
+    servers = rpc_servers(2)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[s.endpoint for s in servers], n_cpu_moe=99)
+    probe = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    second = probe.pool_status(1).device
+    probe.close()
+    # the first device allocates, the second fails: all or none
+    monkeypatch.setenv("GGML_MOE_POOL_FAIL_ALLOC", second)
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    status = ctx.pool_status()
+    assert not status.enabled and status.reason == "alloc-failed"
+    assert not any(r.pool for r in ctx.memory())
+    assert "all pool memory released" in caplog.text and second in caplog.text
+    ctx.decode([1, 2, 3])
+    ctx.decode([4])
+    assert ctx.pool_counters().lookups == 0
+    ctx.close()
+    model.close()
