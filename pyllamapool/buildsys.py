@@ -18,9 +18,8 @@ from .runner import Runner
 TARGETS = ("cpu", "cuda", "hip", "vulkan")
 #: Short forms people type: the HIP target plus its GPU arch.
 TARGET_ALIASES = {"gfx906": ("hip", "gfx906"), "rocm": ("hip", None)}
-DEFAULT_BUILD_TARGETS = ("llama", "llama-common", "ggml", "ggml-base", "ggml-cpu", "ggml-rpc",
-                         "llama-server", "llama-cli", "llama-bench", "llama-quantize",
-                         "ggml-rpc-server", "pyllamapool-cdef")
+#: the CMake target that builds every library, tool and test the package installs or runs
+BUILD_TARGET = "pyllamapool-all"
 
 _CUDA_ARCH = re.compile(r"^(native|all|all-major|\d{2,3}[a-z]?(-real|-virtual)?)$")
 _HIP_ARCH = re.compile(r"^gfx[0-9a-f]{3,4}(:[a-z0-9+-]+)*$")
@@ -153,13 +152,6 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
     return cfg
 
 
-def _build_targets(cfg: BuildConfig) -> list[str]:
-    listing = cfg.build_dir / "pyllamapool-targets.txt"
-    if listing.exists():
-        return listing.read_text().split()
-    return list(DEFAULT_BUILD_TARGETS)
-
-
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
@@ -203,7 +195,7 @@ def build(cfg: BuildConfig, runner: Runner, *, prepare_tree=None) -> Path:
     if result.returncode != 0:
         out = (result.stdout + result.stderr).strip().splitlines()
         raise BuildError("cmake configure failed:\n" + "\n".join(out[-40:]))
-    argv = ["cmake", "--build", str(cfg.build_dir), "--target", *_build_targets(cfg)]
+    argv = ["cmake", "--build", str(cfg.build_dir), "--target", BUILD_TARGET]
     if cfg.jobs:
         argv += ["-j", str(cfg.jobs)]
     _compile(argv, runner, env)

@@ -246,16 +246,11 @@ def cmd_plan(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .sweep import SweepGrid, plot, run_sweep, sweep_table, write_json
-    from .testmodel import ModelSpec, StreamSpec, token_stream
+    from .testmodel import StreamSpec, spec_of, token_stream
 
     grid = SweepGrid(slots=args.slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib,
                      profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args))
-    from .llama import Model
-    probe = Model(args.model, no_alloc=True)
-    spec_json = probe.meta("pyllamapool.model_spec")
-    n_vocab = probe.n_vocab
-    probe.close()
-    spec = ModelSpec(**json.loads(spec_json)) if spec_json else ModelSpec(n_vocab=n_vocab, n_topics=min(8, n_vocab))
+    spec = spec_of(args.model)
     stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 8, seed=args.seed))
     offload = _offload(args, n_ctx=max(args.n_ctx, args.n_tokens + 16))
     result = run_sweep(args.model, offload, grid, stream[:8], stream[8:], repeats=args.repeats,
@@ -277,7 +272,7 @@ def cmd_demo(args) -> int:
 
 def cmd_trace(args) -> int:
     from .llama import Context, Model
-    from .testmodel import ModelSpec, StreamSpec, token_stream
+    from .testmodel import StreamSpec, spec_of, token_stream
     from .trace import PoolTraceRecorder, expert_bytes_from_gguf, locality, record_trace
 
     offload = _offload(args)
@@ -286,8 +281,7 @@ def cmd_trace(args) -> int:
                   cpu_moe=offload.cpu_moe, repack=False)
     if model.n_expert == 0:
         raise PyllamapoolError(f"{args.model} is not a Mixture-of-Experts model: nothing to trace")
-    spec_json = model.meta("pyllamapool.model_spec")
-    spec = ModelSpec(**json.loads(spec_json)) if spec_json else ModelSpec(n_vocab=model.n_vocab)
+    spec = spec_of(args.model)
     stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 1, seed=args.seed))
     n_ctx = max(args.n_ctx, args.n_tokens + 8)
     meta = {"stream_seed": args.seed}

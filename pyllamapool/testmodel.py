@@ -18,7 +18,7 @@ import hashlib
 import json
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -307,9 +307,19 @@ def token_stream(model: ModelSpec, stream: StreamSpec = StreamSpec()) -> list[in
     return out
 
 
-def spec_with(spec: ModelSpec, **changes) -> ModelSpec:
-    return replace(spec, **changes)
+def spec_of(path: str | Path) -> ModelSpec:
+    """The spec a generated model was written from (kept in its metadata), so token streams match
+    its topics; for any other GGUF, a default spec over its vocabulary."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("pyllamapool.model_spec")
+    if field is not None:
+        return ModelSpec(**json.loads(bytes(field.parts[field.data[0]]).decode()))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else ModelSpec().n_vocab
+    return ModelSpec(n_vocab=n_vocab, n_topics=min(ModelSpec().n_topics, n_vocab))
 
 
 __all__ = ["ModelSpec", "StreamSpec", "write_model", "cached_model", "token_stream", "ARCHITECTURES",
-           "EXPERT_TYPES", "spec_with"]
+           "EXPERT_TYPES", "spec_of"]

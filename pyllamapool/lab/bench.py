@@ -47,7 +47,7 @@ def product_stats(steps, n_expert: int, n_slots: int, kind: int) -> tuple[Policy
     return PolicyStats(c.lookups, c.hits, c.misses, c.misses, c.evictions), elapsed
 
 
-def evaluate(trace: Trace, slots: int, policies: list[str], slot_bytes: int) -> tuple[dict[str, PolicyStats], float]:
+def evaluate(trace: Trace, slots: int, policies: list[str]) -> tuple[dict[str, PolicyStats], float]:
     totals = {name: PolicyStats() for name in policies}
     product_seconds = 0.0
     for li in range(len(trace.layers)):
@@ -72,8 +72,8 @@ def slot_counts(preset: Preset, fractions: tuple[float, ...]) -> list[int]:
 
 
 def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), seed: int = 0,
-        policies: list[str] | None = None, n_tokens: int | None = None, n_layer: int | None = None,
-        default: str = "product-lru") -> tuple[list[Row], dict]:
+        policies: list[str] | None = None, n_tokens: int | None = None,
+        n_layer: int | None = None) -> tuple[list[Row], dict]:
     policies = policies or ["product-lru", "lru", "lfu", "decayed", "second-touch", "opt"]
     rows: list[Row] = []
     timing = {"product_seconds": 0.0, "product_lookups": 0}
@@ -82,7 +82,7 @@ def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), s
         trace = generate(name, seed=seed, **changes)
         preset = PRESETS[name]
         for slots in slot_counts(preset, fractions):
-            stats, secs = evaluate(trace, slots, policies, preset.bytes_per_slot)
+            stats, secs = evaluate(trace, slots, policies)
             if "product-lru" in stats:
                 timing["product_seconds"] += secs
                 timing["product_lookups"] += stats["product-lru"].lookups
@@ -109,7 +109,7 @@ def lru_calibration(presets: list[str], seed: int = 0) -> list[tuple[str, int, f
             continue
         trace = generate(name, seed=seed)
         for slots, published in preset.published:
-            stats, _ = evaluate(trace, slots, ["lru"], preset.bytes_per_slot)
+            stats, _ = evaluate(trace, slots, ["lru"])
             out.append((name, slots, published, stats["lru"].hit_rate))
     return out
 
