@@ -228,11 +228,18 @@ def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset:
     ensure_clean(tree, runner)
     rendered = list(render_series(tree, runner).items())
     wanted = list(current_patches(series).items())
+    head = git(tree, "rev-parse", "HEAD", runner=runner).stdout.strip()
     if rendered == wanted:
         runner.note("vendor/ commits already match patches/; updating the stamp")
     elif rendered == wanted[:len(rendered)]:
         runner.note(f"applying {len(wanted) - len(rendered)} new patches")
         apply_series(tree, series, runner, start=len(rendered))
+    elif stamp.get("head") == head:
+        # vendor/ holds exactly what the driver applied last time (no commits of anyone's own),
+        # and patches/ has moved on (e.g. git pull): re-apply the series onto the baseline
+        runner.note("patches/ changed since vendor/ was prepared; re-applying the series")
+        git(tree, "reset", "-q", "--hard", baseline_commit(tree, runner), runner=runner)
+        apply_series(tree, series, runner)
     else:
         diff = describe_difference(dict(wanted), dict(rendered))
         raise PatchError(

@@ -171,6 +171,33 @@ def test_applying_twice_is_a_no_op(fake_project):
     assert len(render_series(tree, runner)) == 1
 
 
+def test_a_changed_series_is_reapplied_when_vendor_has_no_work_of_its_own(fake_project, tmp_path):
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 5; }\n", "llama : five")
+    export_patches(tree, root / "patches", runner)
+    prepare(pin, runner, source_path=src, root=root)
+    # patches/ moves on elsewhere (another checkout exported a different version of the patch)
+    other = tmp_path / "other"
+    (other / "vendor").mkdir(parents=True)
+    (other / "patches").mkdir()
+    tree2 = prepare(pin, runner, source_path=src, root=other)
+    commit_in(tree2, "src/llama.cpp", "int llama(void) { return 6; }\n", "llama : six")
+    export_patches(tree2, other / "patches", runner)
+    for f in (root / "patches").iterdir():
+        f.unlink()
+    for f in (other / "patches").iterdir():
+        (root / "patches" / f.name).write_bytes(f.read_bytes())
+    prepare(pin, runner, source_path=src, root=root)  # no own commits in vendor/: re-applied
+    assert (tree / "src" / "llama.cpp").read_text() == "int llama(void) { return 6; }\n"
+    # but commits of one's own in vendor/ are never thrown away
+    commit_in(tree, "include/llama.h", "int llama(void);\nint mine(void);\n", "llama : my work")
+    (root / "patches" / "series").write_text("")
+    with pytest.raises(PatchError, match="export-patches"):
+        prepare(pin, runner, source_path=src, root=root)
+
+
 def test_a_broken_patch_names_itself_and_its_file(fake_project):
     root, src, pin = fake_project
     patch = root / "patches" / "0001-broken.patch"
