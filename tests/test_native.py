@@ -23,5 +23,11 @@ def test_upstream_test_llama_archs_still_passes():
     assert tool.exists(), "no CPU build: run `python build.py --target cpu`"
     result = subprocess.run([str(tool)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = [l for l in (result.stdout + result.stderr).splitlines() if l.startswith("Summary:")]
-    assert summary and "passed" in summary[0] and "fail" not in summary[0].lower()
+    # The exit status is the verdict (0 only when every executed case passed). The table is printed
+    # through common_log's worker thread, which upstream deliberately never joins at exit
+    # (ggml-org/llama.cpp#22142), so the last rows and the "Summary:" line can be lost on a busy
+    # machine; the rows that did arrive must still show MoE architectures running and nothing failing.
+    rows = [l for l in (result.stdout + result.stderr).splitlines() if l.startswith("|")]
+    assert not [l for l in rows if "FAIL" in l], "\n".join(l for l in rows if "FAIL" in l)
+    moe_ok = [l for l in rows if "|   MoE|" in l and "OK" in l]
+    assert len(moe_ok) >= 5, "expected MoE architectures to run:\n" + "\n".join(rows[:40])
