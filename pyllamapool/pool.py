@@ -20,6 +20,20 @@ class PoolConfigError(PyllamapoolError):
     """A pool setting is out of range."""
 
 
+#: the slot policies by their C API code (enum llama_moe_pool_policy_kind); the pool's default first
+POLICY_KINDS = {"adaptive": 1, "lru": 0}
+DEFAULT_POLICY = "adaptive"
+
+
+def policy_kind(policy: str | int) -> int:
+    """The C API code of a policy given by name or code."""
+    if isinstance(policy, str) and policy in POLICY_KINDS:
+        return POLICY_KINDS[policy]
+    if isinstance(policy, int) and not isinstance(policy, bool) and policy in POLICY_KINDS.values():
+        return policy
+    raise PoolConfigError(f"policy {policy!r} is unknown: expected one of {', '.join(POLICY_KINDS)}")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
@@ -27,6 +41,7 @@ class PoolConfig:
     slots: requested slots per offloaded expert tensor; an int for every device, or one per device;
         0 = off, -1 = as many as the ledger allows (up to every expert).
     device_mib: emulated device size(s) in MiB; an int for every device, or one per device.
+    policy: which expert a miss evicts: "adaptive" (the default) or "lru".
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -34,6 +49,7 @@ class PoolConfig:
     device_mib: int | tuple[int, ...] | None = None
     profile: str | Path | None = None
     speculative: bool = False
+    policy: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -59,6 +75,8 @@ class PoolConfig:
             for v in values:
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                     raise PoolConfigError(f"{name}={v!r} is invalid: it must be a whole number of MiB >= 1")
+        if self.policy is not None:
+            policy_kind(self.policy)
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -85,6 +103,8 @@ class PoolConfig:
             keep.append(text)
             params.profile = text
         params.speculative = self.speculative
+        if self.policy is not None:
+            params.policy = policy_kind(self.policy)
         keep.append(params)
         return params
 
@@ -108,6 +128,7 @@ class PoolStatus:
     slots_med: int
     slots_max: int
     total_slots: int
+    policy: str = DEFAULT_POLICY
 
 
 @dataclass(frozen=True)
@@ -167,7 +188,8 @@ def _status_from_c(ffi, s) -> PoolStatus:
         limited_by=LIMITS[s.limited_by] if 0 <= s.limited_by < len(LIMITS) else str(s.limited_by),
         alloc="weighted" if s.weighted else "uniform",
         profile=ffi.string(s.profile).decode() if s.profile else "none", slots_min=s.slots_min,
-        slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots)
+        slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots,
+        policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY)
 
 
 def _counters_from_c(c) -> PoolCounters:
@@ -229,11 +251,12 @@ def memory(ctx_handle) -> list[MemoryRow]:
 class Policy:
     """The product's slot policy on its own (the same C++ the pool runs), for trace replay."""
 
-    def __init__(self, n_expert: int, n_slots: int, kind: int = 0):
+    def __init__(self, n_expert: int, n_slots: int, policy: str | int = DEFAULT_POLICY):
         ffi, lib, _ = _ffi.load()
+        kind = policy_kind(policy)
         handle = lib.llama_moe_pool_policy_init(n_expert, n_slots, kind)
         if handle == ffi.NULL:
-            raise PoolConfigError(f"invalid policy: {n_expert} experts, {n_slots} slots, kind {kind}")
+            raise PoolConfigError(f"invalid policy: {n_expert} experts, {n_slots} slots, policy {policy!r}")
         self.handle = ffi.gc(handle, lib.llama_moe_pool_policy_free)
         self.n_expert, self.n_slots = n_expert, n_slots
 
@@ -253,3 +276,8 @@ class Policy:
         out = ffi.new("struct llama_moe_pool_counters *")
         lib.llama_moe_pool_policy_counters(self.handle, out)
         return _counters_from_c(out)
+
+    def freq_led_steps(self) -> int:
+        """Steps whose victims were chosen by use count, not recency (adaptive only)."""
+        _, lib, _ = _ffi.load()
+        return lib.llama_moe_pool_policy_freq_led_steps(self.handle)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pyllamapool.lab import bench
-from pyllamapool.lab.policies import POLICIES, belady, brute_force_min_misses, layer_steps
+from pyllamapool.lab.policies import POLICIES, adaptive, belady, brute_force_min_misses, layer_steps
+from pyllamapool.pool import Policy
 from pyllamapool.lab.replay import replay_product
 from pyllamapool.lab.synth import PRESETS, generate
 from pyllamapool.trace import Trace, locality
@@ -46,9 +47,10 @@ def test_opt_never_misses_more_than_any_policy():
         opt = belady(steps, n_slots).misses
         # OPT is the bound for policies that must admit every miss (as the pool does today); a
         # gated policy that runs misses on the CPU instead is outside that model
-        for name in ("lru", "lfu", "decayed"):
+        for name in ("lru", "adaptive", "lfu", "decayed"):
             assert opt <= POLICIES[name](steps, n_slots).misses, name
-        assert opt <= replay_product(trace_of(steps, n_expert, top_k), n_slots).counters.misses
+        for policy in ("adaptive", "lru"):
+            assert opt <= replay_product(trace_of(steps, n_expert, top_k), n_slots, policy).counters.misses
 
 
 @pytest.mark.parametrize("slots", [8, 16, 32])
@@ -58,9 +60,46 @@ def test_on_uniform_routing_every_online_policy_hits_slots_over_experts(slots):
     steps = layer_steps(trace.ids, 0)
     for name in ("lru", "lfu", "decayed"):
         assert abs(POLICIES[name](steps, slots).hit_rate - expected) < 0.03, name
-    product = replay_product(trace, slots).counters
-    assert abs(product.hit_rate - expected) < 0.03
+    for policy in ("adaptive", "lru"):
+        product = replay_product(trace, slots, policy).counters
+        assert abs(product.hit_rate - expected) < 0.03, policy
     assert belady(steps, slots).hit_rate > expected + 0.1  # knowing the future helps
+
+
+def test_the_product_adaptive_policy_is_exactly_its_python_re_derivation():
+    """Same evictions, same counters, step for step, including several-token steps with repeats."""
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n_expert = int(rng.choice([4, 8, 16, 64]))
+        top_k = int(rng.integers(1, min(4, n_expert) + 1))
+        n_slots = int(rng.integers(top_k * 2, n_expert + 3)) if top_k * 2 <= n_expert + 2 else n_expert
+        hot = max(top_k, n_expert // 4)
+        steps = []
+        for _ in range(250):
+            rows = int(rng.integers(1, 3))
+            ids = []
+            for _ in range(rows):  # a hot set and a scan: both rules get to lead
+                span = hot if rng.random() < 0.6 else n_expert
+                ids += rng.choice(span, size=top_k, replace=False).tolist()
+            steps.append(ids)
+        product = Policy(n_expert, n_slots, "adaptive")
+        for step in steps:
+            assert product.step(step) is not None
+        c, ref = product.counters(), adaptive(steps, n_slots, n_expert)
+        assert (c.lookups, c.hits, c.misses, c.evictions) == (ref.lookups, ref.hits, ref.misses, ref.evictions)
+
+
+def test_adaptive_beats_lru_where_popularity_leads_and_ties_on_uniform_routing():
+    def copied(trace, slots, policy):
+        return replay_product(trace, slots, policy).counters.copy_bytes
+
+    for preset in ("qwen3.8-flash-next", "glm-chat-shift"):
+        trace = generate(preset, seed=4, n_tokens=600, n_layer=2)
+        slots = PRESETS[preset].n_expert // 4
+        assert copied(trace, slots, "adaptive") < 0.99 * copied(trace, slots, "lru"), preset
+    uniform = generate("uniform", seed=4, n_tokens=2000, n_layer=2)
+    for slots in (8, 32):
+        assert copied(uniform, slots, "adaptive") == pytest.approx(copied(uniform, slots, "lru"), rel=0.02)
 
 
 def test_generator_is_deterministic_by_seed():
@@ -121,5 +160,8 @@ def test_benchmark_json_rows_have_the_documented_keys():
         assert all(key in r for r in rows)
     opt = [r for r in rows if r["policy"] == "opt"]
     assert opt and all(r["vs_opt"] == 1.0 for r in opt)
-    assert all(r["vs_opt"] >= 1.0 - 1e-9 for r in rows if r["policy"] in ("lru", "product-lru", "lfu", "decayed"))
+    policies = {r["policy"] for r in rows}
+    assert {"product-adaptive", "product-lru", "opt"} <= policies
+    assert all(r["vs_opt"] >= 1.0 - 1e-9 for r in rows if r["policy"] in ("product-adaptive", "product-lru", "lfu"))
+    assert all(r["vs_lru"] == 1.0 for r in rows if r["policy"] == "product-lru")
     assert "copies" in result.stderr and "OPT" in result.stderr

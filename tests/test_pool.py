@@ -250,13 +250,26 @@ def test_repacked_experts_are_excluded_with_a_reason(make_model, rpc_server, cap
 
 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
-                                       ("LLAMA_MOE_POOL_DEVICE_MIB", "-4")])
+                                       ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru")])
 def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model, rpc_server, monkeypatch, caplog,
                                                                       var, value):
     monkeypatch.setenv(var, value)
     statuses, lines, counters, _ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8))
     assert not statuses[0].enabled and statuses[0].reason == "invalid-config"
     assert var in caplog.text
+    if var == "LLAMA_MOE_POOL_POLICY":
+        assert "expected lru or adaptive" in caplog.text
+
+
+def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch, caplog):
+    statuses, lines, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536))
+    assert statuses[0].policy == "adaptive" and "policy=adaptive" in lines[0]
+    statuses, lines, *_ = pool_status(qwen3_model, [rpc_server.endpoint],
+                                      PoolConfig(slots=8, device_mib=65536, policy="lru"))
+    assert statuses[0].policy == "lru" and "policy=lru" in lines[0]
+    monkeypatch.setenv("LLAMA_MOE_POOL_POLICY", "lru")
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536))
+    assert statuses[0].policy == "lru"
 
 
 def test_environment_knobs_are_read_when_the_config_leaves_them_unset(qwen3_model, rpc_server, monkeypatch):
@@ -333,7 +346,7 @@ def test_auto_size_fills_what_the_ledger_allows(qwen3_model, rpc_server):
 @pytest.mark.parametrize("config,needle", [
     (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=(8, -3)), "-3"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
     (PoolConfig(slots=8, rail_mib=-1), "rail_mib"), (PoolConfig(slots=8, profile="/no/such/profile"), "does not exist"),
-    (PoolConfig(slots=tuple(range(17))), "1 to 16"),
+    (PoolConfig(slots=tuple(range(17))), "1 to 16"), (PoolConfig(slots=8, policy="fifo"), "adaptive, lru"),
 ])
 def test_bad_pool_configs_are_rejected_in_python(config, needle):
     with pytest.raises(PoolConfigError, match=needle):
@@ -355,13 +368,13 @@ def test_policy_replay_api_reports_misses_and_refuses_overfull_steps():
 # the live pool and its policy replayed offline agree exactly
 
 
-@pytest.mark.parametrize("slots", [4, 6, 10])
-def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rpc_server, stream, slots):
+@pytest.mark.parametrize("slots,policy", [(4, None), (6, None), (10, None), (6, "lru")])
+def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rpc_server, stream, slots, policy):
     from pyllamapool.lab.replay import replay_product
     from pyllamapool.trace import PoolTraceRecorder, expert_bytes_from_gguf
 
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    ctx = Context(model, pool=PoolConfig(slots=slots, device_mib=65536))
+    ctx = Context(model, pool=PoolConfig(slots=slots, device_mib=65536, policy=policy))
     recorder = PoolTraceRecorder(ctx)
     ctx.decode(stream[:8])                        # prefill: bypassed, not seen
     for tok in stream[8:]:
@@ -372,7 +385,7 @@ def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rp
     ctx.close()
     model.close()
     trace = recorder.trace(SPEC.n_expert, SPEC.n_expert_used, expert_bytes_from_gguf(qwen3_model))
-    replay = replay_product(trace, slots)
+    replay = replay_product(trace, slots, policy or "adaptive")
     assert (replay.counters.lookups, replay.counters.hits, replay.counters.misses, replay.counters.evictions,
             replay.counters.copy_bytes) == (live.lookups, live.hits, live.misses, live.evictions, live.copy_bytes)
     assert np.array_equal(replay.miss, trace.miss)

@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pool import Policy
+from ..pool import DEFAULT_POLICY, Policy
 from ..trace import Trace
 from .policies import POLICIES, PolicyStats, layer_steps
 from .synth import PRESETS, Preset, generate
 
-#: the product's slot policies, by the kind the C API takes
-PRODUCT_POLICIES = {"product-lru": 0}
+#: the product's slot policies (the C++ in the patch series), by the name the pool takes
+PRODUCT_POLICIES = {"product-adaptive": "adaptive", "product-lru": "lru"}
+#: what the pool runs unless told otherwise
+DEFAULT = f"product-{DEFAULT_POLICY}"
 
 
 @dataclass
@@ -35,9 +37,9 @@ class Row:
         return d
 
 
-def product_stats(steps, n_expert: int, n_slots: int, kind: int) -> tuple[PolicyStats, float]:
+def product_stats(steps, n_expert: int, n_slots: int, policy_name: str) -> tuple[PolicyStats, float]:
     """Replay one layer through the product's C++ policy; also the seconds spent in it."""
-    policy = Policy(n_expert, n_slots, kind)
+    policy = Policy(n_expert, n_slots, policy_name)
     t0 = time.perf_counter()
     for step in steps:
         if policy.step(step) is None:
@@ -55,7 +57,8 @@ def evaluate(trace: Trace, slots: int, policies: list[str]) -> tuple[dict[str, P
         for name in policies:
             if name in PRODUCT_POLICIES:
                 st, secs = product_stats(steps, trace.n_expert, slots, PRODUCT_POLICIES[name])
-                product_seconds += secs
+                if name == DEFAULT:
+                    product_seconds += secs
             else:
                 st = POLICIES[name](steps, slots)
             t = totals[name]
@@ -74,7 +77,7 @@ def slot_counts(preset: Preset, fractions: tuple[float, ...]) -> list[int]:
 def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), seed: int = 0,
         policies: list[str] | None = None, n_tokens: int | None = None,
         n_layer: int | None = None) -> tuple[list[Row], dict]:
-    policies = policies or ["product-lru", "lru", "lfu", "decayed", "second-touch", "opt"]
+    policies = policies or [DEFAULT, "product-lru", "lfu", "decayed", "second-touch", "opt"]
     rows: list[Row] = []
     timing = {"product_seconds": 0.0, "product_lookups": 0}
     for name in presets:
@@ -83,12 +86,13 @@ def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), s
         preset = PRESETS[name]
         for slots in slot_counts(preset, fractions):
             stats, secs = evaluate(trace, slots, policies)
-            if "product-lru" in stats:
+            if DEFAULT in stats:
                 timing["product_seconds"] += secs
-                timing["product_lookups"] += stats["product-lru"].lookups
+                timing["product_lookups"] += stats[DEFAULT].lookups
             per_token = trace.n_tokens
             opt_bytes = stats["opt"].uploads * preset.bytes_per_slot if "opt" in stats else None
-            lru_bytes = stats["lru"].uploads * preset.bytes_per_slot if "lru" in stats else None
+            lru = "product-lru" if "product-lru" in stats else "lru"
+            lru_bytes = stats[lru].uploads * preset.bytes_per_slot if lru in stats else None
             for pol, st in stats.items():
                 copied = st.uploads * preset.bytes_per_slot
                 rows.append(Row(
@@ -114,7 +118,7 @@ def lru_calibration(presets: list[str], seed: int = 0) -> list[tuple[str, int, f
     return out
 
 
-def plot(rows: list[Row], path, default: str = "product-lru") -> None:
+def plot(rows: list[Row], path, default: str = DEFAULT) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,7 +128,7 @@ def plot(rows: list[Row], path, default: str = "product-lru") -> None:
     for ax, preset in zip(axes[0], presets):
         for pol in sorted({r.policy for r in rows}):
             pts = sorted((r.slots, r.copy_bytes_per_token / 2**20) for r in rows if r.preset == preset and r.policy == pol)
-            style = "-o" if pol in (default, "opt", "lru") else "--."
+            style = "-o" if pol in (default, "opt", "product-lru") else "--."
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=pol, markersize=4)
         ax.set_title(preset, fontsize=9)
         ax.set_xlabel("slots per layer")
@@ -137,7 +141,7 @@ def plot(rows: list[Row], path, default: str = "product-lru") -> None:
     plt.close(fig)
 
 
-def summary(rows: list[Row], default: str = "product-lru") -> dict[str, dict[str, float]]:
+def summary(rows: list[Row], default: str = DEFAULT) -> dict[str, dict[str, float]]:
     """Per preset: the default policy's copied bytes as a multiple of OPT and of LRU (geometric mean)."""
     out = {}
     for preset in sorted({r.preset for r in rows}, key=list(PRESETS).index):

@@ -131,6 +131,70 @@ def second_touch(steps: Steps, n_slots: int, window: int = 8) -> PolicyStats:
     return _scored(steps, n_slots, lambda c, st, t: st["last"].get(c, -1), use, gate)
 
 
+class _Residency:
+    """Which expert is in which slot; victims are the lowest key among slots unused this step,
+    an empty slot first, ties to the lowest slot (the product's rule)."""
+
+    def __init__(self, n_expert: int, n_slots: int):
+        self.slot_of = [-1] * n_expert
+        self.expert_in = [-1] * n_slots
+
+    def run(self, want: list[int], key: Callable[[int], tuple]) -> int:
+        pinned = {self.slot_of[e] for e in want if self.slot_of[e] >= 0}
+        misses = 0
+        for e in want:
+            if self.slot_of[e] >= 0:
+                continue
+            free = [s for s in range(len(self.expert_in)) if s not in pinned]
+            empty = [s for s in free if self.expert_in[s] < 0]
+            slot = empty[0] if empty else min(free, key=lambda s: (key(self.expert_in[s]), s))
+            if self.expert_in[slot] >= 0:
+                self.slot_of[self.expert_in[slot]] = -1
+            self.expert_in[slot], self.slot_of[e] = e, slot
+            pinned.add(slot)
+            misses += 1
+        return misses
+
+
+def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookups: int = 4,
+             duel_lookups: int = 8) -> PolicyStats:
+    """The product's default, re-derived: evict by recency (LRU) or by use count (halved every
+    age_lookups x slots lookups; recency breaks ties), whichever rule missed less lately. Each rule
+    runs as a shadow over the same steps; their miss tallies halve every duel_lookups x slots."""
+    n_expert = n_expert or 1 + max((max(s) for s in steps if len(s)), default=0)
+    last = [0] * n_expert
+    count = [0] * n_expert
+    rules = [lambda e: (last[e],), lambda e: (count[e], last[e])]
+    real = _Residency(n_expert, n_slots)
+    shadows = [_Residency(n_expert, n_slots), _Residency(n_expert, n_slots)]
+    shadow_misses = [0, 0]
+    since_age = since_duel = 0
+    s = PolicyStats()
+    for t, step in enumerate(steps, 1):
+        want = _distinct(step)
+        rule = 1 if shadow_misses[1] < shadow_misses[0] else 0
+        m = real.run(want, rules[rule])
+        s.lookups += len(want)
+        s.misses += m
+        s.uploads += m
+        s.hits += len(want) - m
+        for i in (0, 1):
+            shadow_misses[i] += shadows[i].run(want, rules[i])
+        for e in want:
+            last[e] = t
+            count[e] += 1
+        since_age += len(want)
+        since_duel += len(want)
+        if since_age >= age_lookups * n_slots:
+            since_age = 0
+            count[:] = [c >> 1 for c in count]
+        if since_duel >= duel_lookups * n_slots:
+            since_duel = 0
+            shadow_misses = [m >> 1 for m in shadow_misses]
+    s.evictions = s.misses - (n_slots - real.expert_in.count(-1))  # every other miss filled an empty slot
+    return s
+
+
 def belady(steps: Steps, n_slots: int) -> PolicyStats:
     """Offline optimum: evict the resident expert whose next use is farthest in the future."""
     next_use: list[dict[int, int]] = [dict() for _ in steps]
@@ -174,7 +238,8 @@ def brute_force_min_misses(steps: Steps, n_slots: int) -> int:
 
 
 POLICIES: dict[str, Callable[[Steps, int], PolicyStats]] = {
-    "lru": lru, "lfu": lfu, "decayed": decayed, "second-touch": second_touch, "opt": belady,
+    "lru": lru, "adaptive": adaptive, "lfu": lfu, "decayed": decayed, "second-touch": second_touch,
+    "opt": belady,
 }
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pool import PoolCounters, Policy
+from ..pool import DEFAULT_POLICY, PoolCounters, Policy
 from ..trace import Trace
 
 
@@ -23,20 +23,21 @@ def layer_slot_bytes(trace: Trace, layer: int) -> tuple[int, int]:
     return (len(per) or 1, sum(per.values()))
 
 
-def replay_product(trace: Trace, n_slots: int | dict[int, int], kind: int = 0) -> ReplayResult:
+def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | int = DEFAULT_POLICY
+                   ) -> ReplayResult:
     """One policy per layer (gate/up/down share a slot table), stepped token by token."""
     per_layer: dict[int, PoolCounters] = {}
     miss = np.zeros(trace.ids.shape, dtype=bool)
     totals = dict(lookups=0, hits=0, misses=0, evictions=0, copy_bytes=0)
     for li, layer in enumerate(trace.layers):
         slots = n_slots[layer] if isinstance(n_slots, dict) else n_slots
-        policy = Policy(trace.n_expert, slots, kind)
+        replayer = Policy(trace.n_expert, slots, policy)
         for t in range(trace.n_tokens):
-            step = policy.step(trace.ids[t, li].tolist())
+            step = replayer.step(trace.ids[t, li].tolist())
             if step is None:
                 raise ValueError(f"token {t} layer {layer}: {trace.top_k} experts do not fit {slots} slots")
             miss[t, li] = step[1]
-        c = policy.counters()
+        c = replayer.counters()
         pools, slot_bytes = layer_slot_bytes(trace, layer)
         c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0)
         per_layer[layer] = c
