@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
     presets = args.preset or list(PRESETS)
     fractions = tuple(float(f) for f in args.fractions.split(","))
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=max(Console().width, 120))
 
     rows, timing = bench.run(presets, fractions, seed=args.seed, n_tokens=args.tokens, n_layer=args.layers)
     if args.json:
@@ -61,6 +61,10 @@ def main() -> int:
     for preset, s in bench.summary(rows).items():
         console.print(f"{preset}: the default policy ({bench.DEFAULT}) copies {s['vs_opt']:.2f}x OPT's bytes and "
                       f"{s['vs_lru']:.3f}x LRU's (geometric mean over slot counts)")
+    for preset, g in bench.gate_summary(rows).items():
+        console.print(f"{preset}: the admission gate copies {g['bytes_min']:.2f}-{g['bytes_max']:.2f}x the default's "
+                      f"bytes; worst excess (moved beyond served) {g['excess_default'] / 2**20:.1f} -> "
+                      f"{g['excess_gated'] / 2**20:.1f} MiB/token")
     if timing["product_lookups"]:
         console.print(f"default policy: {1e9 * timing['product_seconds'] / timing['product_lookups']:.0f} ns per "
                       "lookup, including one Python->C call per step")

@@ -81,6 +81,16 @@ def _mib_list(text: str) -> tuple[int, ...]:
     return tuple(_mib(v) for v in text.split(","))
 
 
+def _choices(kind: str, allowed) -> "callable":
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(","))
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a {kind}: expected {', '.join(allowed)}")
+        return values
+    return parse
+
+
 def _existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text!r} does not exist")
@@ -101,6 +111,13 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
         p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
         p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
         p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")
+    from .pool import GATES, POLICY_KINDS
+    several = " (comma-separated values are swept)" if sweepable else ""
+    p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
+                   help=f"slot policy: adaptive (default) or lru{several}")
+    p.add_argument("--gate", type=_choices("gate", list(GATES)), default=(None,),
+                   help="admission gate: off (default) or yield, where a layer whose pool copies more than it "
+                        f"serves runs the stock path for a while{several}")
     p.add_argument("--device-mib", type=_mib_list,
                    help="treat the device(s) as this big (MiB; N or N0,N1,...)")
 
@@ -114,8 +131,10 @@ def _device_mib(args):
 def _pool_config(args):
     from .pool import PoolConfig
     slots = args.slots[0] if len(args.slots) == 1 else args.slots
+    if len(args.policy) > 1 or len(args.gate) > 1:
+        raise PyllamapoolError("--policy and --gate take one value here (lists are for `sweep`)")
     return PoolConfig(slots=slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib, device_mib=_device_mib(args),
-                      profile=args.profile)
+                      profile=args.profile, policy=args.policy[0], gate=args.gate[0])
 
 
 def _offload(args, **over):
@@ -249,7 +268,8 @@ def cmd_sweep(args) -> int:
     from .testmodel import StreamSpec, spec_of, token_stream
 
     grid = SweepGrid(slots=args.slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib,
-                     profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args))
+                     profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args),
+                     policy=args.policy, gate=args.gate)
     spec = spec_of(args.model)
     stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 8, seed=args.seed))
     offload = _offload(args, n_ctx=max(args.n_ctx, args.n_tokens + 16))

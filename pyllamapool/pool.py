@@ -23,6 +23,8 @@ class PoolConfigError(PyllamapoolError):
 #: the slot policies by their C API code (enum llama_moe_pool_policy_kind); the pool's default first
 POLICY_KINDS = {"adaptive": 1, "lru": 0}
 DEFAULT_POLICY = "adaptive"
+#: the admission gate by its C API code (enum llama_moe_pool_gate)
+GATES = {"off": 0, "yield": 1}
 
 
 def policy_kind(policy: str | int) -> int:
@@ -42,6 +44,8 @@ class PoolConfig:
         0 = off, -1 = as many as the ledger allows (up to every expert).
     device_mib: emulated device size(s) in MiB; an int for every device, or one per device.
     policy: which expert a miss evicts: "adaptive" (the default) or "lru".
+    gate: "off" (the default) or "yield": a layer whose full pool copies in more experts than it serves
+        runs the stock path (CPU experts) for a cool-down; those steps are not device-computed.
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -50,6 +54,7 @@ class PoolConfig:
     profile: str | Path | None = None
     speculative: bool = False
     policy: str | None = None
+    gate: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -77,6 +82,8 @@ class PoolConfig:
                     raise PoolConfigError(f"{name}={v!r} is invalid: it must be a whole number of MiB >= 1")
         if self.policy is not None:
             policy_kind(self.policy)
+        if self.gate is not None and self.gate not in GATES:
+            raise PoolConfigError(f"gate {self.gate!r} is unknown: expected one of {', '.join(GATES)}")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -105,6 +112,8 @@ class PoolConfig:
         params.speculative = self.speculative
         if self.policy is not None:
             params.policy = policy_kind(self.policy)
+        if self.gate is not None:
+            params.gate = GATES[self.gate]
         keep.append(params)
         return params
 
@@ -129,6 +138,7 @@ class PoolStatus:
     slots_max: int
     total_slots: int
     policy: str = DEFAULT_POLICY
+    gate: str = "off"
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,8 @@ class PoolCounters:
     copy_bytes: int = 0
     steps: int = 0
     bypassed_steps: int = 0
+    gated_steps: int = 0     # steps (per pool, as lookups) the closed gate sent to the stock path
+    gate_closures: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -189,11 +201,13 @@ def _status_from_c(ffi, s) -> PoolStatus:
         alloc="weighted" if s.weighted else "uniform",
         profile=ffi.string(s.profile).decode() if s.profile else "none", slots_min=s.slots_min,
         slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots,
-        policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY)
+        policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
+        gate=ffi.string(s.gate).decode() if s.gate else "off")
 
 
 def _counters_from_c(c) -> PoolCounters:
-    return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps)
+    return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
+                        c.gated_steps, c.gate_closures)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:
@@ -251,7 +265,7 @@ def memory(ctx_handle) -> list[MemoryRow]:
 class Policy:
     """The product's slot policy on its own (the same C++ the pool runs), for trace replay."""
 
-    def __init__(self, n_expert: int, n_slots: int, policy: str | int = DEFAULT_POLICY):
+    def __init__(self, n_expert: int, n_slots: int, policy: str | int = DEFAULT_POLICY, gate: bool = False):
         ffi, lib, _ = _ffi.load()
         kind = policy_kind(policy)
         handle = lib.llama_moe_pool_policy_init(n_expert, n_slots, kind)
@@ -259,6 +273,18 @@ class Policy:
             raise PoolConfigError(f"invalid policy: {n_expert} experts, {n_slots} slots, policy {policy!r}")
         self.handle = ffi.gc(handle, lib.llama_moe_pool_policy_free)
         self.n_expert, self.n_slots = n_expert, n_slots
+        if gate:
+            lib.llama_moe_pool_policy_enable_gate(self.handle)
+
+    def admits(self) -> bool:
+        """Whether the admission gate lets the next step use the pool (always, without a gate)."""
+        _, lib, _ = _ffi.load()
+        return bool(lib.llama_moe_pool_policy_admits(self.handle))
+
+    def skip(self) -> None:
+        """The next step ran the stock path because the gate was closed."""
+        _, lib, _ = _ffi.load()
+        lib.llama_moe_pool_policy_skip(self.handle)
 
     def step(self, ids: Sequence[int]) -> tuple[list[int], list[bool]] | None:
         """(slots, missed) for one step's ids, or None if they do not fit the slots."""

@@ -47,6 +47,9 @@ SWEEP_SCHEMA = {
                 "rail_mib": {"type": ["integer", "null"]},
                 "cap_mib": {"type": ["integer", "null"]},
                 "profile": {"type": ["string", "null"]},
+                "policy": {"enum": ["adaptive", "lru"]},
+                "gate": {"enum": ["off", "yield"]},
+                "gated_steps": {"type": "integer", "minimum": 0},
                 "status": {"enum": ["enabled", "disabled"]},
                 "reason": {"type": "string"},
                 "actual_slots": {"type": "integer", "minimum": 0},
@@ -77,11 +80,17 @@ class SweepGrid:
     cap_mib: Sequence[int | None] = (None,)
     profile: Sequence[str | None] = (None,)
     device_mib: int | tuple[int, ...] | None = None
+    policy: Sequence[str | None] = (None,)
+    gate: Sequence[str | None] = (None,)
 
     def configs(self) -> list[PoolConfig]:
         out = []
-        for slots, rail, cap, profile in itertools.product(self.slots, self.rail_mib, self.cap_mib, self.profile):
-            cfg = PoolConfig(slots=slots, rail_mib=rail, cap_mib=cap, device_mib=self.device_mib, profile=profile)
+        for slots, rail, cap, profile, policy, gate in itertools.product(
+                self.slots, self.rail_mib, self.cap_mib, self.profile, self.policy, self.gate):
+            if slots == 0 and (policy, gate) != (self.policy[0], self.gate[0]):
+                continue  # the pool is off: policy and gate change nothing
+            cfg = PoolConfig(slots=slots, rail_mib=rail, cap_mib=cap, device_mib=self.device_mib, profile=profile,
+                             policy=policy, gate=gate)
             cfg.validate()
             out.append(cfg)
         return out
@@ -128,6 +137,7 @@ def run_sweep(model: str | Path, offload: Offload, grid: SweepGrid, prompt: Sequ
             result.rows.append({
                 "slots": cfg.slot_list[0], "rail_mib": cfg.rail_mib, "cap_mib": cfg.cap_mib,
                 "profile": str(cfg.profile) if cfg.profile else None,
+                "policy": s.policy, "gate": s.gate, "gated_steps": c.gated_steps,
                 "status": "enabled" if s.enabled else "disabled", "reason": s.reason,
                 "actual_slots": s.actual_slots, "limited_by": s.limited_by, "bytes": s.bytes,
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
@@ -144,15 +154,16 @@ def run_sweep(model: str | Path, offload: Offload, grid: SweepGrid, prompt: Sequ
 def sweep_table(result: SweepResult, title: str = "expert pool sweep") -> Table:
     """One row per configuration; `limit` is limited_by for an admitted pool, else why it is off."""
     table = Table(title=title)
-    for col in ("-mec", "limit", "MiB", "hits", "copy/tok", "evict", "t/s (min-max)", "vs off"):
+    for col in ("-mec", "policy", "limit", "MiB", "hits", "copy/tok", "evict", "gated", "t/s (min-max)", "vs off"):
         table.add_column(col, justify="left" if col == "limit" else "right", no_wrap=True)
     base = next((r["decode_tps"]["median"] for r in result.rows if r["slots"] == 0), None)
     for r in result.rows:
         t = r["decode_tps"]
         limit = "off" if r["slots"] == 0 else (r["limited_by"] if r["status"] == "enabled" else r["reason"])
         table.add_row(
-            str(r["slots"]), limit, f"{r['bytes'] / 2**20:.1f}", f"{r['hit_rate']:.1%}" if r["lookups"] else "-",
-            f"{r['copy_bytes_per_token'] / 1024:.0f}K", str(r["evictions"]),
+            str(r["slots"]), "-" if r["slots"] == 0 else r["policy"] + ("+gate" if r["gate"] == "yield" else ""),
+            limit, f"{r['bytes'] / 2**20:.1f}", f"{r['hit_rate']:.1%}" if r["lookups"] else "-",
+            f"{r['copy_bytes_per_token'] / 1024:.0f}K", str(r["evictions"]), str(r["gated_steps"]),
             f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})", f"{t['median'] / base:.2f}x" if base else "-")
     return table
 

@@ -139,6 +139,9 @@ def test_every_command_has_help(command):
     (["plan", "{model}", "-mec", "8", "--device-mib", "0"], "must be 1 or more"),
     (["plan", "{dense}", "-mec", "8", "--device-mib", "16384"], "not a Mixture-of-Experts"),
     (["make-model", "{tmp}/x.gguf", "--type", "Q3_K"], "unknown expert type"),
+    (["run", "{model}", "-mec", "8", "--gate", "on"], "'on' is not a gate: expected off, yield"),
+    (["sweep", "{model}", "--policy", "lru,mru"], "'mru' is not a policy: expected adaptive, lru"),
+    (["run", "{model}", "-mec", "8", "--policy", "lru,adaptive"], "lists are for `sweep`"),
 ])
 def test_bad_values_exit_non_zero_with_a_one_line_reason(args, needle, qwen3_model, tmp_path):
     dense = write_dense_model(tmp_path / "dense.gguf")
@@ -174,6 +177,18 @@ def test_sweep_command_json(qwen3_model, rpc_server, tmp_path):
     assert result.returncode == 0, result.stderr
     jsonschema.validate(json.loads(result.stdout), SWEEP_SCHEMA)
     assert png.stat().st_size > 10_000
+
+
+def test_sweep_crosses_policies_and_gates_but_runs_the_pool_off_once(qwen3_model, rpc_server):
+    result = cli("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
+                 "--slots", "0,4", "--policy", "adaptive,lru", "--gate", "off,yield", "--device-mib", "65536",
+                 "-n", "24", "-r", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    jsonschema.validate(data, SWEEP_SCHEMA)
+    on = [(r["policy"], r["gate"]) for r in data["rows"] if r["slots"] == 4]
+    assert sorted(on) == [("adaptive", "off"), ("adaptive", "yield"), ("lru", "off"), ("lru", "yield")]
+    assert [r["slots"] for r in data["rows"]].count(0) == 1
 
 
 def test_demo_runs_on_the_cpu_build(tmp_path):

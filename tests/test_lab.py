@@ -102,6 +102,23 @@ def test_adaptive_beats_lru_where_popularity_leads_and_ties_on_uniform_routing()
         assert copied(uniform, slots, "adaptive") == pytest.approx(copied(uniform, slots, "lru"), rel=0.02)
 
 
+def test_the_gate_cuts_churn_bytes_with_bounded_excess_and_leaves_a_paying_pool_alone():
+    def replay(trace, slots, gate):
+        return replay_product(trace, slots, gate=gate)
+
+    churn = generate("long-form-hard", seed=1, n_tokens=1500, n_layer=2)
+    for slots in (32, 64):
+        open_, gated = replay(churn, slots, False), replay(churn, slots, True)
+        assert open_.counters.misses > open_.counters.hits  # the pool does not pay here
+        assert gated.counters.copy_bytes < 0.3 * open_.counters.copy_bytes
+        for c in gated.per_layer.values():
+            bound = slots + 4 * slots * (c.gate_closures + 1)
+            assert c.misses - c.hits <= bound, (slots, c)
+    paying = generate("qwen3-30b-a3b", seed=1, n_tokens=800, n_layer=2)
+    open_, gated = replay(paying, 64, False), replay(paying, 64, True)
+    assert gated.counters.gate_closures == 0 and gated.counters == open_.counters
+
+
 def test_generator_is_deterministic_by_seed():
     a = generate("qwen3-30b-a3b", seed=5, n_tokens=200)
     b = generate("qwen3-30b-a3b", seed=5, n_tokens=200)
@@ -161,7 +178,7 @@ def test_benchmark_json_rows_have_the_documented_keys():
     opt = [r for r in rows if r["policy"] == "opt"]
     assert opt and all(r["vs_opt"] == 1.0 for r in opt)
     policies = {r["policy"] for r in rows}
-    assert {"product-adaptive", "product-lru", "opt"} <= policies
+    assert {"product-adaptive", "product-lru", "product-gated", "opt"} <= policies
     assert all(r["vs_opt"] >= 1.0 - 1e-9 for r in rows if r["policy"] in ("product-adaptive", "product-lru", "lfu"))
     assert all(r["vs_lru"] == 1.0 for r in rows if r["policy"] == "product-lru")
     assert "copies" in result.stderr and "OPT" in result.stderr

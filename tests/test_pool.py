@@ -250,7 +250,8 @@ def test_repacked_experts_are_excluded_with_a_reason(make_model, rpc_server, cap
 
 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
-                                       ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru")])
+                                       ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru"),
+                                       ("LLAMA_MOE_POOL_GATE", "on")])
 def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model, rpc_server, monkeypatch, caplog,
                                                                       var, value):
     monkeypatch.setenv(var, value)
@@ -259,6 +260,8 @@ def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model
     assert var in caplog.text
     if var == "LLAMA_MOE_POOL_POLICY":
         assert "expected lru or adaptive" in caplog.text
+    if var == "LLAMA_MOE_POOL_GATE":
+        assert "expected off or yield" in caplog.text
 
 
 def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch, caplog):
@@ -347,6 +350,7 @@ def test_auto_size_fills_what_the_ledger_allows(qwen3_model, rpc_server):
     (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=(8, -3)), "-3"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
     (PoolConfig(slots=8, rail_mib=-1), "rail_mib"), (PoolConfig(slots=8, profile="/no/such/profile"), "does not exist"),
     (PoolConfig(slots=tuple(range(17))), "1 to 16"), (PoolConfig(slots=8, policy="fifo"), "adaptive, lru"),
+    (PoolConfig(slots=8, gate="on"), "off, yield"),
 ])
 def test_bad_pool_configs_are_rejected_in_python(config, needle):
     with pytest.raises(PoolConfigError, match=needle):
@@ -444,3 +448,67 @@ def test_a_failed_allocation_releases_every_pool_and_decode_goes_on(qwen3_model,
     assert ctx.pool_counters().lookups == 0
     ctx.close()
     model.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the admission gate
+
+
+def recorded_run(model, tokens, pool: PoolConfig, keep_logits: bool = False):
+    """Decode `tokens` one by one after an 8-token prefill, recording routing for every step (the
+    eval callback sees gated steps too, which the pool's own observer does not)."""
+    from pyllamapool.trace import TraceRecorder
+
+    recorder = TraceRecorder()
+    ctx = Context(model, pool=pool, observe=recorder.wants, observer=recorder)
+    recorder.enabled = False
+    ctx.decode(tokens[:8])
+    recorder.enabled = True
+    logits = []
+    for tok in tokens[8:]:
+        ctx.decode([tok])
+        recorder.end_step()
+        if keep_logits:
+            logits.append(ctx.logits().copy())
+    counters, status = ctx.pool_counters(), ctx.pool_status()
+    ctx.close()
+    return recorder.trace(SPEC.n_expert, SPEC.n_expert_used), counters, status, logits
+
+
+@pytest.fixture
+def churn():
+    """Tokens drawn uniformly: no topic, so routing spreads over every expert."""
+    return np.random.default_rng(0).integers(0, SPEC.n_vocab, size=300).tolist()
+
+
+def test_under_churn_the_gate_stands_layers_down_and_replays_exactly(qwen3_model, rpc_server, churn):
+    from pyllamapool.lab.replay import replay_product
+    from pyllamapool.trace import expert_bytes_from_gguf
+
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    _, ungated, *_ = recorded_run(model, churn, PoolConfig(slots=6, device_mib=65536))
+    trace, gated, status, _ = recorded_run(model, churn, PoolConfig(slots=6, device_mib=65536, gate="yield"))
+    model.close()
+    assert status.gate == "yield"
+    assert ungated.misses > ungated.hits  # the pool moves more than it serves: churn
+    assert gated.gate_closures > 0 and gated.gated_steps > 0
+    assert gated.copy_bytes < 0.5 * ungated.copy_bytes
+    trace.bytes_per_expert = expert_bytes_from_gguf(qwen3_model)
+    replay = replay_product(trace, 6, gate=True)
+    keys = ("lookups", "hits", "misses", "evictions", "copy_bytes", "gated_steps", "gate_closures")
+    assert {k: getattr(replay.counters, k) for k in keys} == {k: getattr(gated, k) for k in keys}
+    # per layer, what the gate lets the pool lose is bounded: the fill, and one window per closure
+    # plus the one still open
+    for c in replay.per_layer.values():
+        assert c.misses - c.hits <= 6 + 4 * 6 * (c.gate_closures + 1)
+
+
+def test_where_the_pool_pays_the_gate_never_closes_and_parity_holds(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    _, off, _, ref = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536), keep_logits=True)
+    _, on, _, got = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536, gate="yield"),
+                                 keep_logits=True)
+    model.close()
+    assert on.hits > on.misses and on.gate_closures == 0 and on.gated_steps == 0
+    assert (on.hits, on.misses, on.copy_bytes) == (off.hits, off.misses, off.copy_bytes)
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got)) and len(ref) == len(got) > 0

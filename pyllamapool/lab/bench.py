@@ -11,8 +11,9 @@ from ..trace import Trace
 from .policies import POLICIES, PolicyStats, layer_steps
 from .synth import PRESETS, Preset, generate
 
-#: the product's slot policies (the C++ in the patch series), by the name the pool takes
-PRODUCT_POLICIES = {"product-adaptive": "adaptive", "product-lru": "lru"}
+#: the product's slot policies (the C++ in the patch series): (policy, admission gate)
+PRODUCT_POLICIES = {"product-adaptive": ("adaptive", False), "product-lru": ("lru", False),
+                    "product-gated": ("adaptive", True)}
 #: what the pool runs unless told otherwise
 DEFAULT = f"product-{DEFAULT_POLICY}"
 
@@ -30,6 +31,12 @@ class Row:
     yield_: float          # bytes served from the pool per byte uploaded
     vs_opt: float = 0.0    # this policy's copied bytes / OPT's
     vs_lru: float = 0.0    # this policy's copied bytes / LRU's
+    served_bytes_per_token: float = 0.0  # bytes of experts found in the pool
+
+    @property
+    def excess_bytes_per_token(self) -> float:
+        """Bytes moved beyond the bytes the pool served: what a pool that does not pay costs."""
+        return max(0.0, self.copy_bytes_per_token - self.served_bytes_per_token)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -37,11 +44,16 @@ class Row:
         return d
 
 
-def product_stats(steps, n_expert: int, n_slots: int, policy_name: str) -> tuple[PolicyStats, float]:
-    """Replay one layer through the product's C++ policy; also the seconds spent in it."""
-    policy = Policy(n_expert, n_slots, policy_name)
+def product_stats(steps, n_expert: int, n_slots: int, policy_name: str, gate: bool = False
+                  ) -> tuple[PolicyStats, float]:
+    """Replay one layer through the product's C++ policy; also the seconds spent in it. With the
+    gate, steps it sends to the stock path are skipped: no lookup, no copy."""
+    policy = Policy(n_expert, n_slots, policy_name, gate=gate)
     t0 = time.perf_counter()
     for step in steps:
+        if not policy.admits():
+            policy.skip()
+            continue
         if policy.step(step) is None:
             raise ValueError(f"a step of {len(step)} experts does not fit {n_slots} slots")
     elapsed = time.perf_counter() - t0
@@ -56,7 +68,7 @@ def evaluate(trace: Trace, slots: int, policies: list[str]) -> tuple[dict[str, P
         steps = layer_steps(trace.ids, li)
         for name in policies:
             if name in PRODUCT_POLICIES:
-                st, secs = product_stats(steps, trace.n_expert, slots, PRODUCT_POLICIES[name])
+                st, secs = product_stats(steps, trace.n_expert, slots, *PRODUCT_POLICIES[name])
                 if name == DEFAULT:
                     product_seconds += secs
             else:
@@ -77,7 +89,7 @@ def slot_counts(preset: Preset, fractions: tuple[float, ...]) -> list[int]:
 def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), seed: int = 0,
         policies: list[str] | None = None, n_tokens: int | None = None,
         n_layer: int | None = None) -> tuple[list[Row], dict]:
-    policies = policies or [DEFAULT, "product-lru", "lfu", "decayed", "second-touch", "opt"]
+    policies = policies or [DEFAULT, "product-lru", "product-gated", "lfu", "decayed", "second-touch", "opt"]
     rows: list[Row] = []
     timing = {"product_seconds": 0.0, "product_lookups": 0}
     for name in presets:
@@ -100,7 +112,8 @@ def run(presets: list[str], fractions: tuple[float, ...] = (0.125, 0.25, 0.5), s
                     hit_rate=st.hit_rate, copy_bytes_per_token=copied / per_token, uploads=st.uploads,
                     evictions=st.evictions, yield_=(st.hits / st.uploads) if st.uploads else float("inf"),
                     vs_opt=copied / opt_bytes if opt_bytes else float("nan"),
-                    vs_lru=copied / lru_bytes if lru_bytes else float("nan")))
+                    vs_lru=copied / lru_bytes if lru_bytes else float("nan"),
+                    served_bytes_per_token=st.hits * preset.bytes_per_slot / per_token))
     return rows, timing
 
 
@@ -135,7 +148,8 @@ def plot(rows: list[Row], path, default: str = DEFAULT) -> None:
         ax.set_ylabel("MiB copied per token")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("bytes moved per token by slot policy (lower is better; opt = Belady's offline bound)", fontsize=10)
+    fig.suptitle("bytes moved per token by slot policy (lower is better; opt = Belady's bound for policies that admit "
+                 "every miss; gated ones run refused misses on the CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -148,4 +162,22 @@ def summary(rows: list[Row], default: str = DEFAULT) -> dict[str, dict[str, floa
         mine = [r for r in rows if r.preset == preset and r.policy == default]
         out[preset] = {"vs_opt": float(np.exp(np.mean([np.log(r.vs_opt) for r in mine]))),
                        "vs_lru": float(np.exp(np.mean([np.log(r.vs_lru) for r in mine])))}
+    return out
+
+
+def gate_summary(rows: list[Row], default: str = DEFAULT, gated: str = "product-gated") -> dict[str, dict]:
+    """Per preset: the admission gate against the default policy alone, over the slot counts: copied
+    bytes (gated / default, min and max) and the worst excess (moved beyond served) per token."""
+    out = {}
+    for preset in sorted({r.preset for r in rows}, key=list(PRESETS).index):
+        pairs = [(a, b) for a in rows for b in rows if a.preset == b.preset == preset and a.slots == b.slots
+                 and a.policy == default and b.policy == gated]
+        if not pairs:
+            continue
+        ratios = [b.copy_bytes_per_token / a.copy_bytes_per_token for a, b in pairs if a.copy_bytes_per_token]
+        out[preset] = {
+            "bytes_min": min(ratios, default=1.0), "bytes_max": max(ratios, default=1.0),
+            "excess_default": max(a.excess_bytes_per_token for a, _ in pairs),
+            "excess_gated": max(b.excess_bytes_per_token for _, b in pairs),
+        }
     return out

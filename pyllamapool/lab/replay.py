@@ -23,28 +23,35 @@ def layer_slot_bytes(trace: Trace, layer: int) -> tuple[int, int]:
     return (len(per) or 1, sum(per.values()))
 
 
-def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | int = DEFAULT_POLICY
-                   ) -> ReplayResult:
-    """One policy per layer (gate/up/down share a slot table), stepped token by token."""
+def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | int = DEFAULT_POLICY,
+                   gate: bool = False) -> ReplayResult:
+    """One policy per layer (gate/up/down share a slot table), stepped token by token. With the
+    admission gate, a token the closed gate sends to the stock path is skipped (no lookup, no copy)."""
     per_layer: dict[int, PoolCounters] = {}
     miss = np.zeros(trace.ids.shape, dtype=bool)
-    totals = dict(lookups=0, hits=0, misses=0, evictions=0, copy_bytes=0)
+    totals = dict(lookups=0, hits=0, misses=0, evictions=0, copy_bytes=0, gated_steps=0, gate_closures=0)
     for li, layer in enumerate(trace.layers):
         slots = n_slots[layer] if isinstance(n_slots, dict) else n_slots
-        replayer = Policy(trace.n_expert, slots, policy)
+        replayer = Policy(trace.n_expert, slots, policy, gate=gate)
         for t in range(trace.n_tokens):
+            if not replayer.admits():
+                replayer.skip()
+                continue
             step = replayer.step(trace.ids[t, li].tolist())
             if step is None:
                 raise ValueError(f"token {t} layer {layer}: {trace.top_k} experts do not fit {slots} slots")
             miss[t, li] = step[1]
         c = replayer.counters()
         pools, slot_bytes = layer_slot_bytes(trace, layer)
-        c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0)
+        c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0,
+                         c.gated_steps, c.gate_closures)
         per_layer[layer] = c
         totals["lookups"] += c.lookups * pools
         totals["hits"] += c.hits * pools
         totals["misses"] += c.misses * pools
         totals["evictions"] += c.evictions * pools
         totals["copy_bytes"] += c.copy_bytes
+        totals["gated_steps"] += c.gated_steps * pools
+        totals["gate_closures"] += c.gate_closures * pools
     steps = trace.n_tokens
     return ReplayResult(PoolCounters(**totals, steps=steps, bypassed_steps=0), per_layer, miss)
