@@ -27,13 +27,22 @@ DEFAULT_POLICY = "adaptive"
 GATES = {"off": 0, "yield": 1}
 
 
+def _code(what: str, value: str | int, codes: dict[str, int]) -> int:
+    if isinstance(value, str) and value in codes:
+        return codes[value]
+    if isinstance(value, int) and not isinstance(value, bool) and value in codes.values():
+        return value
+    raise PoolConfigError(f"{what} {value!r} is unknown: expected one of {', '.join(codes)}")
+
+
 def policy_kind(policy: str | int) -> int:
     """The C API code of a policy given by name or code."""
-    if isinstance(policy, str) and policy in POLICY_KINDS:
-        return POLICY_KINDS[policy]
-    if isinstance(policy, int) and not isinstance(policy, bool) and policy in POLICY_KINDS.values():
-        return policy
-    raise PoolConfigError(f"policy {policy!r} is unknown: expected one of {', '.join(POLICY_KINDS)}")
+    return _code("policy", policy, POLICY_KINDS)
+
+
+def gate_code(gate: str | int) -> int:
+    """The C API code of an admission gate given by name or code."""
+    return _code("gate", gate, GATES)
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,8 @@ class PoolConfig:
                     raise PoolConfigError(f"{name}={v!r} is invalid: it must be a whole number of MiB >= 1")
         if self.policy is not None:
             policy_kind(self.policy)
-        if self.gate is not None and self.gate not in GATES:
-            raise PoolConfigError(f"gate {self.gate!r} is unknown: expected one of {', '.join(GATES)}")
+        if self.gate is not None:
+            gate_code(self.gate)
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -113,7 +122,7 @@ class PoolConfig:
         if self.policy is not None:
             params.policy = policy_kind(self.policy)
         if self.gate is not None:
-            params.gate = GATES[self.gate]
+            params.gate = gate_code(self.gate)
         keep.append(params)
         return params
 
@@ -272,7 +281,7 @@ class Policy:
         if handle == ffi.NULL:
             raise PoolConfigError(f"invalid policy: {n_expert} experts, {n_slots} slots, policy {policy!r}")
         self.handle = ffi.gc(handle, lib.llama_moe_pool_policy_free)
-        self.n_expert, self.n_slots = n_expert, n_slots
+        self.n_expert, self.n_slots, self.gated = n_expert, n_slots, gate
         if gate:
             lib.llama_moe_pool_policy_enable_gate(self.handle)
 
@@ -285,6 +294,17 @@ class Policy:
         """The next step ran the stock path because the gate was closed."""
         _, lib, _ = _ffi.load()
         lib.llama_moe_pool_policy_skip(self.handle)
+
+    def feed(self, ids: Sequence[int]) -> list[bool] | None:
+        """One step as the pool runs it: through the gate (when enabled), then the policy. The miss
+        mask, or None when the closed gate sent the step to the stock path."""
+        if self.gated and not self.admits():
+            self.skip()
+            return None
+        step = self.step(ids)
+        if step is None:
+            raise ValueError(f"a step of {len(set(ids))} distinct experts does not fit {self.n_slots} slots")
+        return step[1]
 
     def step(self, ids: Sequence[int]) -> tuple[list[int], list[bool]] | None:
         """(slots, missed) for one step's ids, or None if they do not fit the slots."""

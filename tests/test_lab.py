@@ -72,7 +72,7 @@ def test_the_product_adaptive_policy_is_exactly_its_python_re_derivation():
     for _ in range(40):
         n_expert = int(rng.choice([4, 8, 16, 64]))
         top_k = int(rng.integers(1, min(4, n_expert) + 1))
-        n_slots = int(rng.integers(top_k * 2, n_expert + 3)) if top_k * 2 <= n_expert + 2 else n_expert
+        n_slots = int(rng.integers(min(2 * top_k, n_expert), n_expert + 3))  # two rows always fit
         hot = max(top_k, n_expert // 4)
         steps = []
         for _ in range(250):

@@ -51,11 +51,7 @@ def product_stats(steps, n_expert: int, n_slots: int, policy_name: str, gate: bo
     policy = Policy(n_expert, n_slots, policy_name, gate=gate)
     t0 = time.perf_counter()
     for step in steps:
-        if not policy.admits():
-            policy.skip()
-            continue
-        if policy.step(step) is None:
-            raise ValueError(f"a step of {len(step)} experts does not fit {n_slots} slots")
+        policy.feed(step)
     elapsed = time.perf_counter() - t0
     c = policy.counters()
     return PolicyStats(c.lookups, c.hits, c.misses, c.misses, c.evictions), elapsed

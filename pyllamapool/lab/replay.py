@@ -34,13 +34,12 @@ def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | in
         slots = n_slots[layer] if isinstance(n_slots, dict) else n_slots
         replayer = Policy(trace.n_expert, slots, policy, gate=gate)
         for t in range(trace.n_tokens):
-            if not replayer.admits():
-                replayer.skip()
-                continue
-            step = replayer.step(trace.ids[t, li].tolist())
-            if step is None:
-                raise ValueError(f"token {t} layer {layer}: {trace.top_k} experts do not fit {slots} slots")
-            miss[t, li] = step[1]
+            try:
+                missed = replayer.feed(trace.ids[t, li].tolist())
+            except ValueError as exc:
+                raise ValueError(f"token {t} layer {layer}: {exc}") from None
+            if missed is not None:
+                miss[t, li] = missed
         c = replayer.counters()
         pools, slot_bytes = layer_slot_bytes(trace, layer)
         c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0,
