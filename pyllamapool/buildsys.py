@@ -86,6 +86,52 @@ def _find_nvcc() -> str | None:
     return None
 
 
+def _cublas_in_toolkit(nvcc: str) -> bool:
+    """Whether CMake's FindCUDAToolkit will find cuBLAS next to this nvcc (lib64, targets/*/lib)."""
+    root = Path(os.path.realpath(nvcc)).parent.parent
+    dirs = [root / "lib64", root / "lib", *sorted((root / "targets").glob("*/lib"))]
+    for extra in (os.environ.get("CUDAToolkit_ROOT"), os.environ.get("CUDA_HOME")):
+        if extra:
+            dirs += [Path(extra) / "lib64", Path(extra) / "lib"]
+    return any(any(d.glob("libcublas.so*")) for d in dirs if d.is_dir())
+
+
+def _cublas_wheel() -> tuple[Path, Path] | None:
+    """(library, include dir) of PyPI's nvidia-cublas wheel, if installed."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("nvidia.cublas")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(next(iter(spec.submodule_search_locations)))
+    libs = sorted((base / "lib").glob("libcublas.so*"))
+    if not libs or not (base / "include" / "cublas_v2.h").exists():
+        return None
+    return libs[0], base / "include"
+
+
+def _add_cublas(cfg: "BuildConfig", nvcc: str) -> None:
+    # ggml-cuda links CUDA::cublas; without it CMake stops late with "CUDA::cublas ... target was not
+    # found", so say it before the build starts
+    if _cublas_in_toolkit(nvcc):
+        return
+    wheel = _cublas_wheel()
+    if wheel is None:
+        cfg.problems.append(
+            f"cuBLAS not found next to {nvcc}: install the CUDA toolkit's cuBLAS (e.g. apt-get install "
+            "libcublas-dev-12-x, or the toolkit's cublas component), or `pip install nvidia-cublas` "
+            "(the driver then points CMake at it: -DCUDA_cublas_LIBRARY=<wheel>/lib/libcublas.so.N and "
+            "the wheel's include/ in CMAKE_CXX_FLAGS/CMAKE_CUDA_FLAGS)")
+        return
+    lib, inc = wheel
+    lt = sorted(lib.parent.glob("libcublasLt.so*"))
+    cfg.cmake_flags += [f"-DCUDA_cublas_LIBRARY={lib}", f"-DCMAKE_CXX_FLAGS=-I{inc}", f"-DCMAKE_CUDA_FLAGS=-I{inc}"]
+    if lt:
+        cfg.cmake_flags.append(f"-DCUDA_cublasLt_LIBRARY={lt[0]}")
+
+
 def _vulkan_header_version() -> tuple[int, int, int] | None:
     for inc in (os.environ.get("Vulkan_INCLUDE_DIR"), "/usr/include", "/usr/local/include"):
         header = Path(inc or "") / "vulkan" / "vulkan_core.h"
@@ -122,6 +168,7 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
                                 "or set CUDACXX to nvcc's path")
         else:
             cfg.cmake_flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+            _add_cublas(cfg, nvcc)
     elif backend == "hip":
         cfg.cmake_flags += ["-DGGML_HIP=ON", f"-DGPU_TARGETS={arch or 'gfx906'}"]
         clang_dir, hip_path = _hipconfig("-l"), _hipconfig("-R")

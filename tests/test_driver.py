@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pyllamapool import buildsys, paths, source
-from pyllamapool.errors import PatchError, PyllamapoolError, SourceError
+from pyllamapool.errors import PatchError, PyllamapoolError, SourceError, ToolchainError
 from pyllamapool.patches import Series, check_patches, export_patches, prepare, render_series
 from pyllamapool.pin import Pin
 from pyllamapool.runner import Runner
@@ -257,3 +257,54 @@ def test_built_binaries_are_the_patched_runnable_ones(rpc_server):
     manifest = read_manifest()
     assert manifest["upstream_commit"] == Pin.load().commit
     assert manifest["series_digest"] == current_series_digest()
+
+
+def _fake_toolkit(root: Path, with_cublas: bool) -> Path:
+    nvcc = root / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    if with_cublas:
+        (root / "lib64").mkdir()
+        (root / "lib64" / "libcublas.so.12").write_bytes(b"")
+    return nvcc
+
+
+def test_cuda_without_cublas_is_reported_before_the_build_with_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDACXX", str(_fake_toolkit(tmp_path / "cuda", with_cublas=False)))
+    monkeypatch.delenv("CUDAToolkit_ROOT", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(buildsys, "_cublas_wheel", lambda: None)
+    cfg = buildsys.configure_target("cuda", "86")
+    problem = next(p for p in cfg.problems if "cuBLAS" in p)
+    assert "pip install nvidia-cublas" in problem and "CUDA_cublas_LIBRARY" in problem
+    # and the driver stops on it before configuring anything
+    with pytest.raises(ToolchainError, match="cuBLAS not found"):
+        buildsys.build(cfg, Runner(dry_run=False), prepare_tree=lambda: pytest.fail("prepared anyway"))
+
+
+def test_cuda_with_the_toolkits_cublas_needs_nothing_more(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDACXX", str(_fake_toolkit(tmp_path / "cuda", with_cublas=True)))
+    cfg = buildsys.configure_target("cuda", "86")
+    assert not any("cuBLAS" in p for p in cfg.problems)
+    assert not any("cublas" in f for f in cfg.cmake_flags)
+
+
+def test_cuda_with_the_nvidia_cublas_wheel_points_cmake_at_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDACXX", str(_fake_toolkit(tmp_path / "cuda", with_cublas=False)))
+    monkeypatch.delenv("CUDAToolkit_ROOT", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    wheel = tmp_path / "site" / "nvidia" / "cublas"
+    (wheel / "lib").mkdir(parents=True)
+    (wheel / "include").mkdir()
+    (wheel / "lib" / "libcublas.so.13").write_bytes(b"")
+    (wheel / "lib" / "libcublasLt.so.13").write_bytes(b"")
+    (wheel / "include" / "cublas_v2.h").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    cfg = buildsys.configure_target("cuda", "86")
+    assert not any("cuBLAS" in p for p in cfg.problems)
+    assert f"-DCUDA_cublas_LIBRARY={wheel / 'lib' / 'libcublas.so.13'}" in cfg.cmake_flags
+    assert f"-DCUDA_cublasLt_LIBRARY={wheel / 'lib' / 'libcublasLt.so.13'}" in cfg.cmake_flags
+    assert f"-DCMAKE_CUDA_FLAGS=-I{wheel / 'include'}" in cfg.cmake_flags
