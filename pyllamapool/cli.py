@@ -298,7 +298,7 @@ def cmd_trace(args) -> int:
     offload = _offload(args)
     pool = _pool_config(args)
     model = Model(args.model, n_gpu_layers=offload.n_gpu_layers, rpc=offload.rpc, n_cpu_moe=offload.n_cpu_moe,
-                  cpu_moe=offload.cpu_moe, repack=False)
+                  cpu_moe=offload.cpu_moe)
     if model.n_expert == 0:
         raise PyllamapoolError(f"{args.model} is not a Mixture-of-Experts model: nothing to trace")
     spec = spec_of(args.model)

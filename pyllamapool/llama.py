@@ -9,6 +9,8 @@ import logging
 import re
 import socket
 import threading
+import atexit
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -36,6 +38,17 @@ class ContextError(PyllamapoolError):
 
 _init_lock = threading.Lock()
 _initialized = False
+_live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_everything() -> None:
+    # Contexts and models still open at exit are freed now, while Python can still take the log
+    # lines they write; freed later by the interpreter's teardown, llama.cpp would call back into a
+    # half-finalized Python. Then llama.cpp's logging goes back to its own stderr logger.
+    for model in list(_live_models):
+        model.close()
+    logs.uninstall()
 _rpc_regs: dict[str, object] = {}
 
 
@@ -187,7 +200,8 @@ class Model:
         params.n_gpu_layers = n_gpu_layers
         # a no-allocation load reads no tensor data (and llama.cpp refuses it on a mapping)
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap and not no_alloc else lib.LLAMA_LOAD_MODE_NONE
-        # repacked CPU weights are not in the device layout, so the expert pool cannot use them
+        # llama.cpp's default: the CPU repacks what it has faster kernels for (the expert pool then
+        # uploads those experts from the model file)
         params.use_extra_bufts = repack
         # what-if: load metadata only and let llama.cpp estimate every allocation
         params.no_alloc = no_alloc
@@ -215,6 +229,9 @@ class Model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: "
                                  + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
         self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_model_free, rpc))
+        # contexts must be freed before their model (llama_free reads the model)
+        self._contexts: "weakref.WeakSet[Context]" = weakref.WeakSet()
+        _live_models.add(self)
         self.load_log = [text for _, text in lines]
         self.vocab = lib.llama_model_get_vocab(self.handle)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
@@ -267,8 +284,10 @@ class Model:
         return "".join(pieces)
 
     def close(self) -> None:
-        _, lib = backend()
+        """Free the model; contexts still open on it are closed first."""
         if getattr(self, "handle", None) is not None:
+            for ctx in list(self._contexts):
+                ctx.close()
             handle, self.handle = self.handle, None
             _ffi.load()[0].release(handle)
 
@@ -297,7 +316,9 @@ class Context:
                  n_seq_max: int = 1, n_threads: int | None = None,
                  observe: Callable[[str], bool] | None = None, observer: TensorObserver | None = None,
                  flash_attn: bool | None = None, pool: "PoolConfig | None" = None,
-                 type_k: str | None = None, type_v: str | None = None):
+                 type_k: str | None = None, type_v: str | None = None, draft_of: "Context | None" = None):
+        """draft_of: the target context this one drafts for (llama.cpp's ctx_other, as common's
+        speculative decoding sets it); such a context never gets an expert pool."""
         ffi, lib = backend()
         self.model = model
         params = lib.llama_context_default_params()
@@ -315,6 +336,10 @@ class Context:
             if value is not None:
                 setattr(params, name, ggml_type(value))
         self._keep: list = []
+        self.callback_error: BaseException | None = None   # the first error an observer raised
+        if draft_of is not None:
+            params.ctx_other = draft_of.handle
+            self._keep.append(draft_of)   # the target must outlive its draft
         self.pool_config = pool
         if pool is not None and pool.enabled:
             params.moe_pool = pool.to_c(ffi, self._keep)
@@ -329,12 +354,25 @@ class Context:
             raise ContextError("llama.cpp could not create a context: "
                                + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
         self.handle = ffi.gc(handle, _rpc_safe_free(lib.llama_free, model.rpc))
+        model._contexts.add(self)
+        self._pool_observer = None      # the C callback lives as long as the context may call it
         self.init_log = [text for _, text in lines]
         self._run_log: list[str] = []   # pool lines logged while decoding (first-use)
         self.close_log: list[str] = []
         self.n_vocab = model.n_vocab
 
     # -- expert pool -------------------------------------------------------------------------
+    def set_pool_observer(self, callback) -> None:
+        """Install (or, with None, remove) a cffi callback as the pool's routing observer. The
+        context keeps it alive, and removes it before it is freed."""
+        ffi, lib = backend()
+        if self.handle is None:
+            if callback is not None:
+                raise ContextError("the context is closed")
+            return
+        lib.llama_moe_pool_set_observer(self.handle, callback if callback is not None else ffi.NULL, ffi.NULL)
+        self._pool_observer = callback
+
     def pool_status(self, device: int = -1) -> "PoolStatus":
         return pool_api.status(self.handle, device)
 
@@ -356,8 +394,7 @@ class Context:
         return [line for line in [*self.init_log, *self._run_log, *self.close_log]
                 if line.startswith("expert pool")]
 
-    @staticmethod
-    def _make_eval_callback(observe: Callable[[str], bool], observer: TensorObserver):
+    def _make_eval_callback(self, observe: Callable[[str], bool], observer: TensorObserver):
         ffi, lib = backend()
         itemsize = {lib.GGML_TYPE_F32: ("float32", 4), lib.GGML_TYPE_I32: ("int32", 4)}
 
@@ -376,7 +413,9 @@ class Context:
                 for r in range(ne1):
                     lib.ggml_backend_tensor_get(t, buf + r * row_bytes, r * int(t.nb[1]), row_bytes)
                 observer(name, rows)
-            except Exception:  # never unwind into C; the observer's own errors are its business
+            except Exception as e:  # never unwind into C: decode() raises it once it returns
+                if self.callback_error is None:
+                    self.callback_error = e
                 return True
             return True
 
@@ -396,9 +435,16 @@ class Context:
         with logs.capture() as lines:
             rc = lib.llama_decode(self.handle, batch)
         self._run_log.extend(text for _, text in lines if text.startswith("expert pool"))
+        self._raise_callback_error()
         if rc != 0:
             raise ContextError(f"llama_decode returned {rc}: "
                                + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
+
+    def _raise_callback_error(self) -> None:
+        """An observer that raised inside a C callback: report it here, once."""
+        error, self.callback_error = self.callback_error, None
+        if error is not None:
+            raise ContextError(f"an observer raised during decode: {error!r}") from error
 
     def decode_batch(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                      want_logits: Sequence[bool]) -> None:
@@ -419,6 +465,7 @@ class Context:
             self._run_log.extend(text for _, text in lines if text.startswith("expert pool"))
         finally:
             lib.llama_batch_free(batch)
+        self._raise_callback_error()
         if rc != 0:
             raise ContextError(f"llama_decode returned {rc}")
 
@@ -446,6 +493,8 @@ class Context:
     def close(self) -> None:
         """Free the context; what llama.cpp logs meanwhile (the pool's runtime line) is kept."""
         if getattr(self, "handle", None) is not None:
+            if self._pool_observer is not None:
+                self.set_pool_observer(None)
             handle, self.handle = self.handle, None
             with logs.capture() as lines:
                 _ffi.load()[0].release(handle)

@@ -67,6 +67,15 @@ def install() -> None:
     lib.llama_log_set(on_log, ffi.NULL)
 
 
+def uninstall() -> None:
+    """Give llama.cpp its own stderr logger back (at exit: no call may reach Python after it)."""
+    if not _installed:
+        return
+    ffi, lib, _ = _ffi.load()
+    lib.llama_log_set(ffi.NULL, ffi.NULL)
+    _installed.clear()
+
+
 @contextlib.contextmanager
 def capture() -> Iterator[list[tuple[int, str]]]:
     """Collect (python_level, line) of everything llama.cpp logs inside the block."""

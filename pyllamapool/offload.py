@@ -15,7 +15,7 @@ class Offload:
     n_cpu_moe: int = 0
     cpu_moe: bool = False
     use_mmap: bool = True
-    repack: bool = False   # repacked CPU experts cannot be pooled
+    repack: bool = True    # llama.cpp's default; the pool uploads repacked experts from the model file
     n_ctx: int = 1024
     n_threads: int | None = None
     type_k: str | None = None

@@ -224,6 +224,11 @@ def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset:
     if stamp.get("series_digest") == digest:
         runner.note(f"{tree} already holds the pinned tree + {len(series.names)} patches")
         return tree
+    if runner.dry_run:
+        # telling how vendor/ relates to the new series takes git commands that a dry run only prints
+        runner.note(f"patches/ changed since {tree} was prepared: a real run applies the new patches, or "
+                    "re-applies the series, or says why it cannot")
+        return tree
     # The series changed since the tree was prepared: find out how vendor/ relates to it.
     ensure_clean(tree, runner)
     rendered = list(render_series(tree, runner).items())

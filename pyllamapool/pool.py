@@ -179,6 +179,8 @@ class PoolInfo:
     n_expert: int
     tensor: str
     slot_bytes: int
+    slots_alloc: int   # slots allocated on the device: `slots` plus never-used padding
+    from_file: bool    # the host copy is repacked for the CPU: misses are read from the model file
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ def pools(ctx_handle) -> list[PoolInfo]:
     for i in range(lib.llama_moe_pool_n_pools(ctx_handle)):
         lib.llama_moe_pool_get_info(ctx_handle, i, out)
         result.append(PoolInfo(i, out.layer, out.device, out.slots, out.n_expert,
-                               ffi.string(out.tensor).decode(), out.slot_bytes))
+                               ffi.string(out.tensor).decode(), out.slot_bytes, out.slots_alloc,
+                               bool(out.from_file)))
     return result
 
 

@@ -29,10 +29,11 @@ ARCHITECTURES = ("qwen3moe", "qwen2moe")
 #: expert storage types written by the gguf package itself
 NATIVE_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
 #: types that go through the pinned tree's llama-quantize (the gguf package cannot write them)
-QUANTIZE_TYPES = {"Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "IQ4_XS": "iq4_xs"}
+QUANTIZE_TYPES = {"Q2_K": "q2_K", "Q3_K": "q3_K", "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K",
+                  "IQ4_XS": "iq4_xs", "IQ4_NL": "iq4_nl"}
 EXPERT_TYPES = NATIVE_TYPES + tuple(QUANTIZE_TYPES)
-_BLOCK = {"F32": 1, "F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
-          "IQ4_XS": 256}
+_BLOCK = {"F32": 1, "F16": 1, "Q8_0": 32, "Q4_0": 32, "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256,
+          "Q6_K": 256, "IQ4_XS": 256, "IQ4_NL": 32}
 
 
 @dataclass(frozen=True)

@@ -190,11 +190,11 @@ class PoolTraceRecorder:
                     self.end_step()
                 self._current[layer] = (np.frombuffer(ffi.buffer(ids, 4 * n), dtype=np.int32).copy(),
                                         np.frombuffer(ffi.buffer(miss, n), dtype=np.uint8).astype(bool))
-            except Exception:  # never unwind into C
-                pass
+            except Exception as e:  # never unwind into C: the context's next decode raises it
+                if ctx.callback_error is None:
+                    ctx.callback_error = e
 
-        self._callback = observe  # keep alive while the context may call it
-        lib.llama_moe_pool_set_observer(ctx.handle, observe, ffi.NULL)
+        ctx.set_pool_observer(observe)   # the context keeps the callback alive and removes it on close
         self._ctx = ctx
 
     def end_step(self) -> None:
@@ -203,10 +203,7 @@ class PoolTraceRecorder:
             self._current = {}
 
     def detach(self) -> None:
-        from . import _ffi
-        ffi, lib, _ = _ffi.load()
-        if self._ctx.handle is not None:
-            lib.llama_moe_pool_set_observer(self._ctx.handle, ffi.NULL, ffi.NULL)
+        self._ctx.set_pool_observer(None)
 
     def trace(self, n_expert: int, top_k: int, bytes_per_expert=None, meta=None) -> Trace:
         self.end_step()

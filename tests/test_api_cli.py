@@ -138,7 +138,7 @@ def test_every_command_has_help(command):
     (["run", "/no/such/model.gguf"], "does not exist"),
     (["plan", "{model}", "-mec", "8", "--device-mib", "0"], "must be 1 or more"),
     (["plan", "{dense}", "-mec", "8", "--device-mib", "16384"], "not a Mixture-of-Experts"),
-    (["make-model", "{tmp}/x.gguf", "--type", "Q3_K"], "unknown expert type"),
+    (["make-model", "{tmp}/x.gguf", "--type", "Q4_1"], "unknown expert type"),
     (["run", "{model}", "-mec", "8", "--gate", "on"], "'on' is not a gate: expected off, yield"),
     (["sweep", "{model}", "--policy", "lru,mru"], "'mru' is not a policy: expected adaptive, lru"),
     (["run", "{model}", "-mec", "8", "--policy", "lru,adaptive"], "lists are for `sweep`"),

@@ -13,10 +13,10 @@ from pyllamapool.testmodel import ModelSpec
 SPEC = ModelSpec()
 
 
-def decode(model: Model, stream, pool: PoolConfig | None = None, **ctx_args):
+def decode(model: Model, stream, pool: PoolConfig | None = None, n_prompt: int = 8, **ctx_args):
     """Teacher-forced greedy run: (result, counters, per-pool counters, infos, status, ctx logs)."""
     ctx = Context(model, pool=pool, **ctx_args)
-    result = run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
+    result = run_context(ctx, stream[:n_prompt], 0, teacher_tokens=stream[n_prompt:], keep_logits=True)
     report = ctx.pool_report(per_pool=True)
     status = ctx.pool_status()
     ctx.close()
@@ -32,10 +32,10 @@ def arch_model(request, make_model):
     return make_model(arch=request.param)
 
 
-def resident_run(model_path, rpc_server, stream):
+def resident_run(model_path, rpc_server, stream, n_prompt: int = 8):
     """The stock path with every expert resident on the same (RPC) device."""
     model = Model(model_path, n_gpu_layers=99, rpc=[rpc_server.endpoint])
-    ref, *_ = decode(model, stream)
+    ref, *_ = decode(model, stream, n_prompt=n_prompt)
     model.close()
     return ref
 
@@ -139,6 +139,32 @@ def test_two_sequences_in_one_batch_stay_bit_identical(qwen3_model, rpc_server, 
         assert np.array_equal(ra, ga) and np.array_equal(rb, gb)
 
 
+def test_a_pool_holding_every_expert_serves_batches_wider_than_its_slots(qwen3_model, rpc_server, stream):
+    """Like llama-server -np 5: 5 rows x top-4 = 20 lookups per step exceed the 16 slots, but the
+    layer has only 16 experts, so every step's distinct experts fit and no step bypasses."""
+    def five_streams(model, pool):
+        ctx = Context(model, n_seq_max=5, pool=pool)
+        seqs = [stream[i * 14:(i + 1) * 14] for i in range(5)]
+        logits = []
+        for i in range(14):
+            ctx.decode_batch([s[i] for s in seqs], [i] * 5, [0, 1, 2, 3, 4], [True] * 5)
+            logits.append([ctx.logits(j) for j in range(5)])
+        counters = ctx.pool_counters() if pool else None
+        ctx.close()
+        return logits, counters
+
+    ref_model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, _ = five_streams(ref_model, None)
+    ref_model.close()
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    got, counters = five_streams(model, PoolConfig(slots=SPEC.n_expert, device_mib=65536))
+    model.close()
+    assert counters.steps == 14 and counters.bypassed_steps == 0 and counters.hits > 0
+    assert len(got) == len(ref) == 14
+    for r, g in zip(ref, got):
+        assert all(np.array_equal(a, b) for a, b in zip(r, g))
+
+
 def test_several_contexts_on_one_model_have_their_own_pools(qwen3_model, rpc_server, stream, resident_reference_qwen3):
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     c1 = Context(model, pool=PoolConfig(slots=4, device_mib=65536))
@@ -193,10 +219,11 @@ def test_emulated_small_device_binds_at_the_rail_and_allocation_matches_the_plan
 
 
 def test_cap_binds_when_it_is_below_the_rail_budget(qwen3_model, rpc_server):
-    # 12 pools x 32 KiB per slot = 384 KiB per slot across the device: 4 MiB hold 10 slots
+    # 12 pools x 32 KiB per slot = 384 KiB per slot across the device, and one padding slot per pool:
+    # 4 MiB hold 9 slots (+1 padding)
     statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=16, device_mib=65536, cap_mib=4))
     s = statuses[0]
-    assert s.enabled and s.limited_by == "cap" and s.actual_slots == 10 and s.bytes <= 4 * 1024 * 1024
+    assert s.enabled and s.limited_by == "cap" and s.actual_slots == 9 and s.bytes <= 4 * 1024 * 1024
 
 
 def test_no_room_disables_the_pool_and_decode_still_works(qwen3_model, rpc_server):
@@ -233,20 +260,115 @@ def test_without_host_experts_on_an_accelerator_the_pool_says_so(qwen3_model, rp
     ctx.close(); model.close()
 
 
-def test_repacked_experts_are_excluded_with_a_reason(make_model, rpc_server, caplog):
-    path = make_model(expert_type="Q4_0")
-    model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, repack=True)
-    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+# quant types people download; with llama.cpp's defaults (repack on) the CPU backend repacks several
+# of them into layouts of its own, and the pool then uploads those experts from the model file
+USER_TYPES = ["Q4_0", "Q4_K", "IQ4_NL", "Q2_K", "Q3_K", "Q8_0", "F16"]
+
+
+def user_type_model(make_model, expert_type: str):
+    wide = {"n_embd": 256, "n_ff_exp": 256} if expert_type in ("Q4_K", "Q2_K", "Q3_K") else {}
+    return make_model(expert_type=expert_type, **wide)
+
+
+@pytest.mark.parametrize("expert_type", USER_TYPES)
+def test_default_flags_pool_common_quant_types_bit_identically(make_model, rpc_server, stream, expert_type):
+    path = user_type_model(make_model, expert_type)
+    # a one-token prompt: every step is decode-sized and pooled. (A bypassed prefill computes its
+    # experts with the CPU's repacked kernels, which round differently from the device's, as the
+    # stock --n-cpu-moe path does: that run is not comparable with the all-resident one.)
+    ref = resident_run(path, rpc_server, stream, n_prompt=1)
+    for use_mmap in (True, False):          # llama.cpp's default, and --no-mmap (-lm none)
+        model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, use_mmap=use_mmap)
+        repacked = cpu_repacks_weights(model)
+        result, report, status, _ = decode(model, stream, PoolConfig(slots=4, device_mib=65536), n_prompt=1)
+        model.close()
+        assert status.enabled, f"{expert_type} mmap={use_mmap}: {status.reason}"
+        assert report.counters.evictions > 0
+        assert identical(result, ref), f"{expert_type} mmap={use_mmap} changed the logits"
+        # the pool reads exactly the experts the CPU repacked from the file, and only those
+        assert all(info.from_file == repacked for info in report.pools), (expert_type, repacked)
+
+
+def cpu_repacks_weights(model: Model) -> bool:
+    """Whether the model holds weights in a repacked CPU buffer (CPU_REPACK and the like)."""
+    probe = Context(model, n_ctx=64)
+    rows = probe.memory()
+    probe.close()
+    return any("REPACK" in r.buffer_type and r.model > 0 for r in rows)
+
+
+def test_this_cpu_repacks_q4_0_experts(make_model, rpc_server):
+    """Guards the test above: if nothing were repacked here, the file path would go untested."""
+    model = Model(user_type_model(make_model, "Q4_0"), n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    repacked = cpu_repacks_weights(model)
+    model.close()
+    assert repacked, "this CPU does not repack Q4_0: the repacked-upload path is not exercised"
+
+
+def test_pools_are_padded_past_the_last_usable_slot(qwen3_model, rpc_server):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536))
+    report = ctx.pool_report(per_pool=True)
     status = ctx.pool_status()
-    ctx.close(); model.close()
-    if "CPU_REPACK" not in caplog.text and status.enabled:
-        pytest.fail("this CPU does not repack Q4_0: the exclusion path was not exercised")
-    assert not status.enabled and "repacked" in caplog.text
-    # and without repacking, the same model pools fine
-    model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99, repack=False)
-    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
-    assert ctx.pool_status().enabled
-    ctx.close(); model.close()
+    pool_bytes = sum(r.pool for r in ctx.memory())
+    ctx.close()
+    model.close()
+    assert report.pools and all(i.slots == 6 and i.slots_alloc == 7 for i in report.pools)
+    # the padding is in the admitted bytes and in what was allocated
+    assert status.bytes == sum(i.slots_alloc * i.slot_bytes for i in report.pools)
+    assert status.bytes <= pool_bytes <= status.bytes + len(report.pools) * 256
+
+
+def test_a_request_below_top_k_says_so_however_much_room_there_is(qwen3_model, rpc_server):
+    statuses, lines, counters, _ = pool_status(qwen3_model, [rpc_server.endpoint],
+                                               PoolConfig(slots=SPEC.n_expert_used - 1, device_mib=65536))
+    assert not statuses[0].enabled and statuses[0].reason == "below-top-k"
+    assert any("status=disabled reason=below-top-k" in l for l in lines)
+    assert counters.lookups == 0
+
+
+@pytest.mark.parametrize("pool,needle", [
+    (PoolConfig(slots=(4, 4), device_mib=65536), "--moe-expert-cache has 2 values but the model uses 1 device"),
+    (PoolConfig(slots=4, device_mib=(65536, 65536, 65536)), "device_mib has 3 values but the model uses 1 device"),
+])
+def test_per_device_lists_must_match_the_device_count(qwen3_model, rpc_server, caplog, pool, needle):
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], pool)
+    assert not statuses[0].enabled and statuses[0].reason == "invalid-config"
+    assert needle in caplog.text
+
+
+def test_a_device_size_list_from_the_environment_must_match_too(qwen3_model, rpc_server, caplog, monkeypatch):
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536,65536")
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=4))
+    assert statuses[0].reason == "invalid-config"
+    assert "LLAMA_MOE_POOL_DEVICE_MIB has 2 values but the model uses 1 device" in caplog.text
+
+
+def test_a_second_context_on_the_model_counts_the_first_ones_pool(qwen3_model, rpc_server):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    tight = PoolConfig(slots=-1, device_mib=1040, rail_mib=1024)   # a 16 MiB ceiling
+    first = Context(model, pool=tight)
+    second = Context(model, pool=tight)
+    s1, s2 = first.pool_status(), second.pool_status()
+    first.close()
+    third = Context(model, pool=tight)
+    s3 = third.pool_status()
+    second.close(); third.close(); model.close()
+    assert s1.enabled and s1.bytes > 0
+    # the second context sees the first one's pool (and its buffers) as memory in use
+    assert s2.cap <= s1.cap - s1.bytes
+    # once the first context is gone, its memory is free again for the next one
+    assert s3.cap > s2.cap
+
+
+def test_a_draft_context_gets_no_pool_and_the_target_keeps_its_own(qwen3_model, rpc_server):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    target = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    draft = Context(model, pool=PoolConfig(slots=8, device_mib=65536), draft_of=target)
+    assert target.pool_status().enabled
+    assert not draft.pool_status().enabled and draft.pool_status().reason == "draft-context"
+    assert any("status=disabled reason=draft-context" in l for l in draft.pool_lines())
+    draft.close(); target.close(); model.close()
 
 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
@@ -290,7 +412,7 @@ def test_weighted_profile_shares_the_same_bytes(qwen3_model, rpc_server, tmp_pat
     s = statuses[0]
     assert s.enabled and s.alloc == "weighted" and s.profile == str(profile)
     assert s.slots_min == 4 and s.slots_max == 16 and s.slots_min < s.slots_med
-    assert s.bytes <= 8 * 12 * 128 * 128 * 2
+    assert s.bytes <= (8 + 1) * 12 * 128 * 128 * 2  # the uniform plan's bytes, padding included
     equal = tmp_path / "equal.txt"
     equal.write_text("".join(f"blk.{i} 3\n" for i in range(4)))
     statuses_eq, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536, profile=equal))

@@ -38,7 +38,7 @@ def test_default_model_is_a_few_megabytes(qwen3_model):
 
 
 @pytest.mark.parametrize("changes,needle", [
-    ({"arch": "llama"}, "unknown arch"), ({"expert_type": "Q3_K"}, "unknown expert type"),
+    ({"arch": "llama"}, "unknown arch"), ({"expert_type": "Q4_1"}, "unknown expert type"),
     ({"n_expert_used": 20}, "exceeds"), ({"expert_type": "Q4_K"}, "multiple of 256"),
     ({"n_layer": 0}, "n_layer"),
 ])
