@@ -5,11 +5,11 @@ PyllamapoolError subclasses whose message includes what llama.cpp logged about t
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import socket
 import threading
-import atexit
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ class ContextError(PyllamapoolError):
 
 _init_lock = threading.Lock()
 _initialized = False
+_rpc_regs: dict[str, object] = {}
 _live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()
 
 
@@ -49,7 +50,6 @@ def _close_everything() -> None:
     for model in list(_live_models):
         model.close()
     logs.uninstall()
-_rpc_regs: dict[str, object] = {}
 
 
 def backend():

@@ -1,6 +1,7 @@
 """Native objects and callbacks outlive nothing they depend on: models, contexts, observers, logs."""
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -36,7 +37,6 @@ def test_an_observer_that_raises_is_reported_by_decode_once(qwen3_model, rpc_ser
     with pytest.raises(ContextError, match="observer bug"):
         ctx.decode(stream[:4])
     assert calls
-    ctx.callback_error = None
     model.close()
 
 
@@ -45,7 +45,6 @@ def test_the_pool_observer_belongs_to_the_context(qwen3_model, rpc_server, strea
     ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536))
     recorder = PoolTraceRecorder(ctx)
     del recorder                      # the context keeps the callback alive
-    import gc
     gc.collect()
     ctx.decode(stream[:2])
     for tok in stream[2:10]:

@@ -113,27 +113,38 @@ def test_status_first_use_and_runtime_lines_match_the_counters(qwen3_model, rpc_
     assert abs(float(fields["hit_rate"]) - c.hit_rate) < 1e-4
 
 
+def decode_sequences(model, pool, seqs, n_prompt: int):
+    """Like llama-server with -np len(seqs): one batch of every sequence's first n_prompt tokens,
+    then one token of each sequence per step. Returns (per-step logits of every sequence, counters)."""
+    n_seq, n_tok = len(seqs), len(seqs[0])
+    ctx = Context(model, n_seq_max=n_seq, pool=pool)
+    if n_prompt:
+        n = n_seq * n_prompt
+        ctx.decode_batch([t for s in seqs for t in s[:n_prompt]], list(range(n_prompt)) * n_seq,
+                         [q for q in range(n_seq) for _ in range(n_prompt)], [False] * (n - 1) + [True])
+    logits = []
+    for i in range(n_prompt, n_tok):
+        ctx.decode_batch([s[i] for s in seqs], [i] * n_seq, list(range(n_seq)), [True] * n_seq)
+        logits.append([ctx.logits(q) for q in range(n_seq)])
+    counters = ctx.pool_counters() if pool else None
+    ctx.close()
+    return logits, counters
+
+
+def sequences_against_resident(model_path, rpc_server, pool, seqs, n_prompt: int):
+    ref_model = Model(model_path, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, _ = decode_sequences(ref_model, None, seqs, n_prompt)
+    ref_model.close()
+    model = Model(model_path, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    got, counters = decode_sequences(model, pool, seqs, n_prompt)
+    model.close()
+    return ref, got, counters
+
+
 def test_two_sequences_in_one_batch_stay_bit_identical(qwen3_model, rpc_server, stream):
     """Like llama-server with -np 2: each step decodes one token of each of two sequences."""
-    def two_streams(model, pool):
-        ctx = Context(model, n_seq_max=2, pool=pool)
-        a, b = stream[:36], stream[36:72]
-        n0 = 4
-        ctx.decode_batch(a[:n0] + b[:n0], list(range(n0)) * 2, [0] * n0 + [1] * n0, [False] * (2 * n0 - 1) + [True])
-        logits = []
-        for i in range(n0, 36):
-            ctx.decode_batch([a[i], b[i]], [i, i], [0, 1], [True, True])
-            logits.append((ctx.logits(0), ctx.logits(1)))
-        counters = ctx.pool_counters() if pool else None
-        ctx.close()
-        return logits, counters
-
-    ref_model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
-    ref, _ = two_streams(ref_model, None)
-    ref_model.close()
-    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    got, counters = two_streams(model, PoolConfig(slots=8, device_mib=65536))
-    model.close()
+    ref, got, counters = sequences_against_resident(qwen3_model, rpc_server, PoolConfig(slots=8, device_mib=65536),
+                                                    [stream[:36], stream[36:72]], n_prompt=4)
     assert counters.steps >= 32 and counters.lookups > 0
     for (ra, rb), (ga, gb) in zip(ref, got):
         assert np.array_equal(ra, ga) and np.array_equal(rb, gb)
@@ -142,23 +153,9 @@ def test_two_sequences_in_one_batch_stay_bit_identical(qwen3_model, rpc_server, 
 def test_a_pool_holding_every_expert_serves_batches_wider_than_its_slots(qwen3_model, rpc_server, stream):
     """Like llama-server -np 5: 5 rows x top-4 = 20 lookups per step exceed the 16 slots, but the
     layer has only 16 experts, so every step's distinct experts fit and no step bypasses."""
-    def five_streams(model, pool):
-        ctx = Context(model, n_seq_max=5, pool=pool)
-        seqs = [stream[i * 14:(i + 1) * 14] for i in range(5)]
-        logits = []
-        for i in range(14):
-            ctx.decode_batch([s[i] for s in seqs], [i] * 5, [0, 1, 2, 3, 4], [True] * 5)
-            logits.append([ctx.logits(j) for j in range(5)])
-        counters = ctx.pool_counters() if pool else None
-        ctx.close()
-        return logits, counters
-
-    ref_model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
-    ref, _ = five_streams(ref_model, None)
-    ref_model.close()
-    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    got, counters = five_streams(model, PoolConfig(slots=SPEC.n_expert, device_mib=65536))
-    model.close()
+    ref, got, counters = sequences_against_resident(qwen3_model, rpc_server,
+                                                    PoolConfig(slots=SPEC.n_expert, device_mib=65536),
+                                                    [stream[i * 14:(i + 1) * 14] for i in range(5)], n_prompt=0)
     assert counters.steps == 14 and counters.bypassed_steps == 0 and counters.hits > 0
     assert len(got) == len(ref) == 14
     for r, g in zip(ref, got):
