@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
@@ -258,6 +259,51 @@ def write_dense_model(path: Path, seed: int = 0, n_layer: int = 2, n_embd: int =
     return Path(path)
 
 
+_EXPERT_AXIS_TENSOR = re.compile(r"^blk\.\d+\.(ffn_\w+_exps\.\w+|ffn_gate_inp\.(weight|bias))$")
+
+
+def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0) -> Path:
+    """Copy an F32 MoE GGUF (e.g. one of llama.cpp's test-llama-archs models, which have two experts)
+    with n_expert experts: the existing experts are kept, the new ones are drawn with the spread of the
+    old ones (router rows, weights, biases; per-expert scales are the old ones, jittered), so a pool
+    smaller than the layer has something to evict. Every other tensor and key is copied unchanged."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    old = int(reader.fields[f"{arch}.expert_count"].contents())
+    if n_expert <= old:
+        raise PyllamapoolError(f"widen_experts: {src} has {old} experts; asked for {n_expert}, which is not more")
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        is_array = field.types[0] == gguf.GGUFValueType.ARRAY
+        if is_array and len(field.types) == 1:
+            continue  # an empty array has no element type and cannot be written; absent reads the same
+        value = n_expert if name == f"{arch}.expert_count" else field.contents()
+        sub_type = field.types[-1] if is_array else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if _EXPERT_AXIS_TENSOR.match(tensor.name):
+            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or data.shape[0] != old:
+                raise PyllamapoolError(f"widen_experts: {tensor.name} is not an F32 array of {old} experts")
+            extra = n_expert - old
+            if tensor.name.endswith("scale"):  # scales multiply outputs: keep their magnitude and sign
+                new = data[rng.integers(old, size=extra)] * (1.0 + 0.1 * rng.standard_normal((extra,) + data.shape[1:]))
+            else:
+                new = rng.standard_normal((extra,) + data.shape[1:]) * float(data.std() or 0.1) + float(data.mean())
+            data = np.concatenate([data, new.astype(np.float32)])
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
+
+
 def default_model_dir() -> Path:
     from .paths import cache_dir
     return cache_dir() / "models"
@@ -323,4 +369,4 @@ def spec_of(path: str | Path) -> ModelSpec:
 
 
 __all__ = ["ModelSpec", "StreamSpec", "write_model", "cached_model", "token_stream", "ARCHITECTURES",
-           "EXPERT_TYPES", "spec_of"]
+           "EXPERT_TYPES", "spec_of", "widen_experts"]

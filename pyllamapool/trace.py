@@ -60,16 +60,27 @@ class Trace:
 
 
 def expert_bytes_from_gguf(path: str | Path) -> dict[int, dict[str, int]]:
-    """Bytes of one expert in each routed-expert tensor, per layer, read from the GGUF header."""
+    """Bytes of one expert in each routed-expert pool, per layer, read from the GGUF header: a weight
+    and the per-expert bias and scale that travel with it in the pool's slots (a fused gate_up
+    weight carries the up scale, as the graph applies it)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    out: dict[int, dict[str, int]] = {}
+    parts: dict[int, dict[tuple[str, str], int]] = {}
     for tensor in reader.tensors:
-        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$", tensor.name)
+        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias|scale)$", tensor.name)
         if m:
             n_expert = int(tensor.shape[-1])  # gguf reader shapes are ggml order: ne0 first
-            out.setdefault(int(m.group(1)), {})[m.group(2)] = int(tensor.n_bytes) // n_expert
+            parts.setdefault(int(m.group(1)), {})[(m.group(2), m.group(3))] = int(tensor.n_bytes) // n_expert
+    out: dict[int, dict[str, int]] = {}
+    for layer, sizes in parts.items():
+        weights = {stem for stem, kind in sizes if kind == "weight"}
+        pools = out.setdefault(layer, {})
+        for (stem, kind), n in sorted(sizes.items(), key=lambda kv: kv[0][1] != "weight"):
+            if stem == "ffn_up_exps" and stem not in weights and "ffn_gate_up_exps" in weights and kind == "scale":
+                stem = "ffn_gate_up_exps"
+            if stem in weights:
+                pools[stem] = pools.get(stem, 0) + n
     return out
 
 

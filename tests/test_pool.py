@@ -1,6 +1,7 @@
 """The expert pool end to end on the CPU + RPC testbed: parity, accounting, admission, fail-closed."""
 from __future__ import annotations
 
+import re
 
 import numpy as np
 import pytest
@@ -515,37 +516,64 @@ def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rp
 
 
 # --------------------------------------------------------------------------------------------
-# another expert layout: fused gate_up experts with per-expert scales (cohere2moe)
+# other expert layouts from llama.cpp's own test-llama-archs: fused gate_up experts with per-expert
+# scales (cohere2moe), per-expert biases and scales (gpt-oss). Its models have two experts, which
+# leaves a pool nothing to evict; they are widened to eight, top-k stays two.
 
 
 @pytest.fixture(scope="module")
-def fused_gate_up_model(tmp_path_factory):
-    """A random cohere2moe model from llama.cpp's own test-llama-archs (in the CPU build folder)."""
+def archs_model(tmp_path_factory):
+    """archs_model(arch) -> a random model of that arch from test-llama-archs, widened to 8 experts."""
     import subprocess
     from pathlib import Path
+
+    from pyllamapool.testmodel import widen_experts
+
     tool = Path(__file__).resolve().parent.parent / "build" / "cpu" / "bin" / "test-llama-archs"
     assert tool.exists(), "test-llama-archs is built by `python build.py --target cpu`"
     out = tmp_path_factory.mktemp("archs")
-    subprocess.run([str(tool), "-a", "cohere2moe", "-s", "7", "-o", str(out)], check=True, capture_output=True,
-                   timeout=300)
-    path = out / "cohere2moe-moe.gguf"
+    made = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            subprocess.run([str(tool), "-a", arch, "-s", "7", "-o", str(out)], check=True, capture_output=True,
+                           timeout=300)
+            made[arch] = widen_experts(out / f"{arch}-moe.gguf", out / f"{arch}-moe-8.gguf", 8)
+        return made[arch]
+    return make
+
+
+@pytest.mark.parametrize("arch, weights, extras", [
+    ("cohere2moe", {"ffn_gate_up_exps", "ffn_down_exps"}, {"ffn_down_exps.scale"}),
+    ("gpt-oss", {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"},
+     {f"ffn_{w}_exps.{k}" for w in ("gate", "up", "down") for k in ("bias", "scale")}),
+])
+def test_expert_biases_and_scales_travel_with_their_weights(archs_model, rpc_server, arch, weights, extras):
     import gguf
-    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
-    assert "blk.1.ffn_gate_up_exps.weight" in names and "blk.1.ffn_down_exps.scale" in names
-    return path
 
+    from pyllamapool.trace import expert_bytes_from_gguf
 
-def test_fused_gate_up_experts_with_scales_pool_bit_identically(fused_gate_up_model, rpc_server):
-    stream = list(range(5, 45))
-    model = Model(fused_gate_up_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
-    ref, *_ = decode(model, stream)
-    model.close()
-    model = Model(fused_gate_up_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
-    result, report, status, _ = decode(model, stream, PoolConfig(slots=2, device_mib=65536))
+    path = archs_model(arch)
+    layer = 1
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors if re.search(r"_exps\.(weight|bias|scale)$", t.name)}
+    assert {n.split(".", 2)[2] for n in tensors if n.startswith(f"blk.{layer}.")} == \
+        {w + ".weight" for w in weights} | extras
+    stream = [(7 * i) % 97 + 3 for i in range(48)]
+    ref = resident_run(path, rpc_server, stream)
+    model = Model(path, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    result, report, status, _ = decode(model, stream, PoolConfig(slots=3, device_mib=65536))
     model.close()
     assert status.enabled
-    assert {i.tensor for i in report.pools} == {"blk.1.ffn_gate_up_exps.weight", "blk.1.ffn_down_exps.weight"}
-    assert report.counters.hits > 0
+    # one pool per weight; a slot carries the weight's bias and scale, so a pooled layer reads no
+    # host expert tensor
+    pools = {i.tensor: i for i in report.pools if i.layer == layer}
+    assert set(pools) == {f"blk.{layer}.{w}.weight" for w in weights}
+    for name, info in pools.items():
+        stem = name[: -len(".weight")]
+        assert info.slot_bytes == sum(int(t.n_bytes) // int(t.shape[-1]) for n, t in tensors.items()
+                                      if n.startswith(stem + "."))
+        assert info.slot_bytes == expert_bytes_from_gguf(path)[layer][stem.split(".", 2)[2]]
+    assert report.counters.evictions > 0
     assert identical(result, ref)
 
 

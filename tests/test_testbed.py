@@ -47,6 +47,29 @@ def test_bad_specs_are_rejected_clearly(tmp_path, changes, needle):
         write_model(ModelSpec(**changes), tmp_path / "x.gguf")
 
 
+def test_widening_keeps_every_expert_and_tensor_and_adds_new_experts(tmp_path):
+    import gguf
+
+    from pyllamapool.testmodel import widen_experts
+
+    f32 = write_model(ModelSpec(expert_type="F32"), tmp_path / "f32.gguf")
+    wide = widen_experts(f32, tmp_path / "wide.gguf", 24, seed=3)
+    before = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(f32)).tensors}
+    reader = gguf.GGUFReader(str(wide))
+    after = {t.name: np.array(t.data) for t in reader.tensors}
+    assert reader.fields["qwen3moe.expert_count"].contents() == 24
+    assert set(after) == set(before)
+    for name, old in before.items():
+        if "_exps." in name or "ffn_gate_inp." in name:
+            assert after[name].shape == (24,) + old.shape[1:]
+            assert np.array_equal(after[name][: old.shape[0]], old)
+            assert not np.array_equal(after[name][old.shape[0]:], np.resize(old, after[name][old.shape[0]:].shape))
+        else:
+            assert np.array_equal(after[name], old)
+    with pytest.raises(PyllamapoolError, match="has 16 experts; asked for 8"):
+        widen_experts(f32, tmp_path / "narrow.gguf", 8)
+
+
 def test_token_streams_are_deterministic_and_stay_on_topic():
     spec = ModelSpec()
     s1 = token_stream(spec, StreamSpec(n_tokens=400, seed=1))
