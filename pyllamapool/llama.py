@@ -101,8 +101,11 @@ def _connects(endpoint: str, timeout: float = 1.0) -> bool:
 
 def _endpoint_alive(endpoint: str) -> bool:
     """Whether an RPC server is still there. Servers started by pyllamapool.rpc are checked by
-    their process; others are assumed alive: probing with a connection would queue behind the
-    client the (single-client) server is serving and can fill its accept backlog."""
+    their process (and ones it stopped are dead); others are assumed alive: probing with a
+    connection would queue behind the client the (single-client) server is serving and can fill
+    its accept backlog."""
+    if rpc_helper.stopped_here(endpoint):
+        return False
     server = rpc_helper.server_for(endpoint)
     return server.running if server is not None else True
 

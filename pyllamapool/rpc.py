@@ -20,12 +20,21 @@ from .tools import tool_path
 
 LOOPBACK = "127.0.0.1"
 
-#: servers started by this process, by endpoint (so others can ask whether one is still running)
+#: servers started by this process and not stopped yet, by endpoint
 _running: "dict[str, RpcServer]" = {}
+#: endpoints whose server this process stopped (until a new one starts there): ggml aborts the
+#: process on a dead RPC connection, so callers must know not to query them
+_stopped: set[str] = set()
 
 
 def server_for(endpoint: str) -> "RpcServer | None":
+    """The server this process started at endpoint and has not stopped (it may have died since)."""
     return _running.get(endpoint)
+
+
+def stopped_here(endpoint: str) -> bool:
+    """Whether this process stopped the server at endpoint (and started none there since)."""
+    return endpoint in _stopped
 
 
 class RpcServerError(PyllamapoolError):
@@ -110,6 +119,7 @@ class RpcServer:
                                      f"accepting on {self.endpoint}:\n{self.log_text()[-1500:]}")
             if _accepts(self.port):
                 _running[self.endpoint] = self
+                _stopped.discard(self.endpoint)
                 return self
             time.sleep(0.05)
         self.stop()
@@ -117,6 +127,9 @@ class RpcServer:
                              f"{self.startup_timeout_s:.0f} s:\n{self.log_text()[-1500:]}")
 
     def stop(self) -> None:
+        if _running.get(self.endpoint) is self:
+            del _running[self.endpoint]
+            _stopped.add(self.endpoint)
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -37,6 +37,11 @@ _BLOCK = {"F32": 1, "F16": 1, "Q8_0": 32, "Q4_0": 32, "Q2_K": 256, "Q3_K": 256, 
           "Q6_K": 256, "IQ4_XS": 256, "IQ4_NL": 32}
 
 
+def block_size(expert_type: str) -> int:
+    """Weights per quantization block of an expert type: n_embd and n_ff_exp must be multiples of it."""
+    return _BLOCK[expert_type]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Knobs of a generated model. Defaults: ~2 MB, decodes at hundreds of tokens/s on 2 cores."""
@@ -75,7 +80,7 @@ class ModelSpec:
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise PyllamapoolError(f"n_embd {self.n_embd} must divide by n_head {self.n_head}, and "
                                    f"n_head by n_head_kv {self.n_head_kv}")
-        block = _BLOCK[self.expert_type]
+        block = block_size(self.expert_type)
         for name in ("n_embd", "n_ff_exp"):
             if getattr(self, name) % block:
                 raise PyllamapoolError(f"{self.expert_type} experts need {name} to be a multiple of "
@@ -85,12 +90,20 @@ class ModelSpec:
 
     @property
     def file_stem(self) -> str:
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        # the generator's own source is part of the name: a cached model written by an older
+        # generator is never mistaken for this one's
+        key = json.dumps(asdict(self), sort_keys=True) + generator_digest()
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         return f"tiny-{self.arch}-L{self.n_layer}-E{self.n_expert}k{self.n_expert_used}-" \
                f"{self.expert_type.lower()}-s{self.seed}-{digest}"
 
     def topic_of(self, token: int) -> int:
         return token % self.n_topics
+
+
+def generator_digest() -> str:
+    """A digest of this module's source: what a cached model's bytes depend on besides its spec."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
 def _topics_per_token(spec: ModelSpec) -> np.ndarray:
@@ -369,4 +382,4 @@ def spec_of(path: str | Path) -> ModelSpec:
 
 
 __all__ = ["ModelSpec", "StreamSpec", "write_model", "cached_model", "token_stream", "ARCHITECTURES",
-           "EXPERT_TYPES", "spec_of", "widen_experts"]
+           "EXPERT_TYPES", "spec_of", "widen_experts", "block_size"]

@@ -11,6 +11,21 @@ from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream, write_mod
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    # the suite tests this checkout with its own caches, whatever the developer's shell points at:
+    # no PYLLAMAPOOL_* override (library folder, root, cache, target, warnings) and a cache folder
+    # of its own (generated models, the demo's output), removed at the end
+    import shutil
+    import tempfile
+
+    for name in list(os.environ):
+        if name.startswith("PYLLAMAPOOL_"):
+            del os.environ[name]
+    cache = tempfile.mkdtemp(prefix="pyllamapool-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,10 +192,36 @@ def test_sweep_crosses_policies_and_gates_but_runs_the_pool_off_once(qwen3_model
     assert [r["slots"] for r in data["rows"]].count(0) == 1
 
 
+def test_sweep_crosses_rails_caps_and_profiles(qwen3_model, rpc_server, tmp_path):
+    flat, steep = tmp_path / "flat.txt", tmp_path / "steep.txt"
+    flat.write_text("".join(f"blk.{i} 1\n" for i in range(4)))
+    steep.write_text("blk.0 0.25\nblk.1 1\nblk.2 2\nblk.3 4\n")
+    # a 2056 MiB device: a 1024 MiB rail leaves ~1 GiB, a 2048 MiB one leaves less than the weights
+    result = cli("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
+                 "--slots", "8", "--rail-mib", "1024,2048", "--cap-mib", "2,64", "--profile", str(flat),
+                 "--profile", str(steep), "--device-mib", "2056", "-n", "16", "-r", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    jsonschema.validate(data, SWEEP_SCHEMA)
+    rows = {(r["rail_mib"], r["cap_mib"], r["profile"]): r for r in data["rows"] if r["slots"] == 8}
+    assert set(rows) == {(rail, cap, str(p)) for rail in (1024, 2048) for cap in (2, 64) for p in (flat, steep)}
+    for (rail, cap, profile), r in rows.items():
+        if rail == 2048:  # the rail binds unless the cap is tighter still
+            assert r["status"] == "disabled" or r["limited_by"] == ("rail" if cap == 64 else "cap"), r
+        else:
+            assert r["status"] == "enabled" and r["limited_by"] == ("cap" if cap == 2 else "slots"), r
+            assert r["bytes"] <= cap * 2**20
+    # the same bytes, shared out by the profile: a steeper profile changes which steps miss
+    assert rows[(1024, 64, str(flat))]["bytes"] == rows[(1024, 64, str(steep))]["bytes"]
+    assert rows[(1024, 64, str(flat))]["misses"] != rows[(1024, 64, str(steep))]["misses"]
+
+
 def test_demo_runs_on_the_cpu_build(tmp_path):
     result = cli("demo", "--out", str(tmp_path), "-n", "48", "-r", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "logits bit-identical" in result.stdout
+    evictions = re.search(r"pool \(\d+ slots, (\d+) evictions\)", result.stdout)
+    assert evictions and int(evictions.group(1)) > 0
     assert "expert pool status=enabled" in result.stdout
     assert (tmp_path / "sweep.png").exists()
     assert f"plot written to {tmp_path / 'sweep.png'}" in result.stdout.replace("\n", "")
@@ -207,6 +234,32 @@ def test_launchers_pass_arguments_through_unchanged(tmp_path):
     assert "--tensor-type" in result.stdout + result.stderr
     result = cli("server", "-mec", "nope", "-m", str(tmp_path / "none.gguf"))
     assert result.returncode != 0 and "invalid slot count 'nope'" in result.stderr
+    result = cli("cli", "--help")
+    assert result.returncode == 0 and "--moe-expert-cache" in result.stdout + result.stderr
+
+
+def test_the_rpc_server_launcher_serves_on_the_port_it_is_given():
+    import socket
+    import time
+
+    from pyllamapool.rpc import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pyllamapool", "rpc-server", "-H", "127.0.0.1", "-p", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail(f"no RPC server on {port}: {proc.stdout.read().decode(errors='replace')[-1500:]}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_info_reports_the_manifest_and_devices():

@@ -308,3 +308,87 @@ def test_cuda_with_the_nvidia_cublas_wheel_points_cmake_at_it(tmp_path, monkeypa
     assert f"-DCUDA_cublas_LIBRARY={wheel / 'lib' / 'libcublas.so.13'}" in cfg.cmake_flags
     assert f"-DCUDA_cublasLt_LIBRARY={wheel / 'lib' / 'libcublasLt.so.13'}" in cfg.cmake_flags
     assert f"-DCMAKE_CUDA_FLAGS=-I{wheel / 'include'}" in cfg.cmake_flags
+
+
+def test_prepare_reset_recreates_vendor_from_the_pin_and_the_series(fake_project):
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 4; }\n", "llama : four")
+    export_patches(tree, root / "patches", runner)
+    # work that never became a patch: an extra commit and a stray file
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 5; }\n", "llama : five, not exported")
+    (tree / "stray.txt").write_text("scratch\n")
+    prepare(pin, runner, source_path=src, root=root, reset=True)
+    assert not (tree / "stray.txt").exists()
+    assert (tree / "src" / "llama.cpp").read_text() == "int llama(void) { return 4; }\n"
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tree, capture_output=True, text=True).stdout.split("\n")
+    assert log[0] == "llama : four" and "llama : five, not exported" not in log
+
+
+def test_a_missing_or_old_vulkan_toolchain_is_reported_with_what_to_install(monkeypatch):
+    monkeypatch.setattr(buildsys, "_which", lambda name: None if name == "glslc" else f"/usr/bin/{name}")
+    monkeypatch.setattr(buildsys, "_vulkan_header_version", lambda: None)
+    problems = " | ".join(buildsys.configure_target("vulkan", None).problems)
+    assert "glslc not found (apt-get install glslc)" in problems
+    assert "Vulkan headers not found (apt-get install libvulkan-dev" in problems
+    monkeypatch.setattr(buildsys, "_which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(buildsys, "_vulkan_header_version", lambda: (1, 3, 239))
+    problems = " | ".join(buildsys.configure_target("vulkan", None).problems)
+    assert "Vulkan headers 1.3.239 are too old" in problems and "Vulkan_INCLUDE_DIR" in problems
+    monkeypatch.setattr(buildsys, "_vulkan_header_version", lambda: (1, 4, 309))
+    assert buildsys.configure_target("vulkan", None).problems == []
+
+
+def test_a_missing_nvcc_is_reported_with_what_to_install(monkeypatch):
+    monkeypatch.setattr(buildsys, "_find_nvcc", lambda: None)
+    problems = buildsys.configure_target("cuda", "86").problems
+    assert any("nvcc not found: install the CUDA toolkit" in p and "CUDACXX" in p for p in problems)
+
+
+def _runpath(binary: Path) -> str:
+    out = subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True, check=True).stdout
+    return " ".join(line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "RUNPATH" in line or "RPATH" in line)
+
+
+def test_installed_libraries_and_tools_find_each_other_through_origin_rpaths():
+    lib, bin_ = paths.installed_lib_dir(), paths.installed_bin_dir()
+    libs = sorted(p for p in lib.glob("lib*.so*") if not p.is_symlink())
+    tools = [bin_ / name for name in ("llama-server", "llama-cli", "llama-bench", "ggml-rpc-server")]
+    assert libs and all(t.exists() for t in tools)
+    for so in libs:
+        assert "$ORIGIN" in _runpath(so), so
+    for tool in tools:
+        assert "$ORIGIN/../lib" in _runpath(tool), tool
+        # resolved with no library path from the environment: every pyllamapool library comes from lib/
+        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        ldd = subprocess.run(["ldd", str(tool)], capture_output=True, text=True, env=env, check=True).stdout
+        assert "not found" not in ldd
+        for line in ldd.splitlines():
+            if "libllama" in line or "libggml" in line:
+                resolved = Path(line.split("=>")[1].split("(")[0].strip()).resolve()
+                assert resolved.parent == lib.resolve(), line
+
+
+def test_importing_the_package_warns_when_the_build_is_from_another_series(tmp_path):
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "patches", checkout / "patches")
+    (checkout / "vendor").mkdir()
+    shutil.copy(paths.pin_file(ROOT), paths.pin_file(checkout))
+
+    def import_warnings(root: Path, **env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLLAMAPOOL_")}
+        result = subprocess.run([sys.executable, "-W", "always", "-c", "import pyllamapool"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120,
+                                env={**clean, "PYTHONPATH": str(ROOT), "PYLLAMAPOOL_ROOT": str(root), **env})
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    assert "StaleBuildWarning" not in import_warnings(checkout)  # same series as the build
+    first = sorted((checkout / "patches").glob("0*.patch"))[0]
+    first.write_bytes(first.read_bytes() + b"\n")
+    text = import_warnings(checkout)
+    assert "StaleBuildWarning" in text and "do not match patches/series" in text and "python build.py" in text
+    assert "StaleBuildWarning" not in import_warnings(checkout, PYLLAMAPOOL_NO_STALE_WARNING="1")

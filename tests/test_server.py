@@ -1,7 +1,9 @@
-"""The patched llama-server on the RPC testbed: pool lines, -np 2 parity, fail-closed under speculation."""
+"""The patched llama-server and llama-bench on the RPC testbed: pool lines, -np 2 parity, fail-closed under
+speculation, the slot count from flags, lists and the environment, the bench's mec column."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -20,37 +22,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def llama_server(model, *args: str):
-    port = free_port()
-    argv = [str(tool_path("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", "2048", "-t", "1", "--no-warmup", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
+def _start(argv_without_port: list[str], attempts: int = 3):
+    """(process, port, lines) for a llama-server on a free port. The port is picked before the server
+    binds it, so another process can take it meanwhile: a bind failure is retried on a new port."""
+    for _ in range(attempts):
+        port = free_port()
+        proc = subprocess.Popen([*argv_without_port, "--port", str(port)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                reader.join(timeout=5)
+                if any("couldn't bind" in l for l in lines):
+                    break  # the port was taken: try another
                 raise AssertionError("llama-server exited:\n" + "".join(lines[-30:]))
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
-                        break
+                        return proc, port, lines, reader
             except OSError:
                 time.sleep(0.2)
         else:
+            _stop(proc, reader)
             raise AssertionError("llama-server did not become healthy:\n" + "".join(lines[-30:]))
+    raise AssertionError(f"llama-server could not bind a free port in {attempts} attempts")
+
+
+def _stop(proc, reader) -> None:
+    proc.send_signal(2)  # SIGINT: a clean shutdown logs the pool's runtime line
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    reader.join(timeout=5)
+
+
+@contextmanager
+def llama_server(model, *args: str):
+    argv = [str(tool_path("llama-server")), "-m", str(model), "--host", "127.0.0.1", "-c", "2048", "-t", "1",
+            "--no-warmup", *args]
+    proc, port, lines, reader = _start(argv)
+    try:
         yield port, lines
     finally:
-        proc.send_signal(2)  # SIGINT: a clean shutdown logs the pool's runtime line
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=5)
+        _stop(proc, reader)
 
 
 def complete(port: int, prompt: str, n: int = 24) -> dict:
@@ -92,9 +111,10 @@ def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_mod
     assert "expert pool status=enabled" in text and "limited_by=slots" in text
     assert "expert pool first-use=active" in text
     runtime = [l for l in lines if "expert pool runtime" in l]
-    assert runtime and int(runtime[0].split("lookups=")[1].split()[0]) > 0
+    assert runtime and int(runtime[0].split("evictions=")[1].split()[0]) > 0
     for ref, got in zip(reference, pooled):
         assert ref["content"] == got["content"]
+        assert len(logprobs(ref)) > 0
         assert logprobs(ref) == logprobs(got)  # exact: top-5 log-probabilities of every step
 
 
@@ -114,3 +134,35 @@ def test_server_rejects_bad_slot_counts_naming_the_value(qwen3_model, flag):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "invalid slot count 'x'" in result.stderr + result.stdout
+
+
+def test_server_takes_the_slot_count_from_the_environment_and_a_list_per_device(qwen3_model, rpc_servers,
+                                                                                 monkeypatch):
+    servers = rpc_servers(2)
+    rpc = ",".join(s.endpoint for s in servers)
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536,65536")
+    monkeypatch.setenv("LLAMA_ARG_MOE_EXPERT_CACHE", "6")
+    with llama_server(qwen3_model, "--rpc", rpc, "-ngl", "99", "--cpu-moe") as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    status = [l for l in lines if "expert pool status=" in l]
+    assert len(status) == 2 and all("status=enabled" in l and "requested_slots=6" in l for l in status)
+    monkeypatch.delenv("LLAMA_ARG_MOE_EXPERT_CACHE")
+    with llama_server(qwen3_model, "--rpc", rpc, "-ngl", "99", "--cpu-moe", "-mec", "4,8") as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    status = [l for l in lines if "expert pool status=" in l]
+    assert len(status) == 2 and all("status=enabled" in l and " device=" in l for l in status)
+    assert ["requested_slots=4" in status[0], "requested_slots=8" in status[1]] == [True, True]
+
+
+def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_server):
+    argv = [str(tool_path("llama-bench")), "-m", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99",
+            "-ncmoe", "99", "-mec", "0,8", "-p", "0", "-n", "8", "-r", "1", "-t", "1", "-o", "md", "-v"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LLAMA_MOE_POOL_DEVICE_MIB": "65536"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = [l for l in result.stdout.splitlines() if l.startswith("|")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert "mec" in header
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in table[2:]]
+    assert [r[header.index("mec")] for r in rows] == ["0", "8"]
+    assert result.stderr.count("expert pool status=enabled") == 1  # -mec 0: no pool at all

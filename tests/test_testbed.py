@@ -70,6 +70,27 @@ def test_widening_keeps_every_expert_and_tensor_and_adds_new_experts(tmp_path):
         widen_experts(f32, tmp_path / "narrow.gguf", 8)
 
 
+def test_the_suite_runs_with_its_own_cache_and_no_user_overrides():
+    import os
+    from pathlib import Path
+
+    from pyllamapool.paths import cache_dir
+
+    assert not [k for k in os.environ if k.startswith("PYLLAMAPOOL_")]
+    assert Path.home() / ".cache" not in cache_dir().parents
+
+
+def test_cached_models_are_keyed_by_the_generator_source_too(tmp_path, monkeypatch):
+    from pyllamapool import testmodel
+
+    spec = ModelSpec(n_layer=1)
+    first = testmodel.cached_model(spec, tmp_path)
+    assert testmodel.cached_model(spec, tmp_path) == first
+    monkeypatch.setattr(testmodel, "generator_digest", lambda: "another generator")
+    second = testmodel.cached_model(spec, tmp_path)
+    assert second != first and second.exists()
+
+
 def test_token_streams_are_deterministic_and_stay_on_topic():
     spec = ModelSpec()
     s1 = token_stream(spec, StreamSpec(n_tokens=400, seed=1))
@@ -111,6 +132,22 @@ def test_rpc_server_starts_on_loopback_and_stops_by_pid():
         server.stop()
     assert not server.running
     server.close()
+
+
+def test_stopped_servers_are_forgotten_but_known_dead():
+    from pyllamapool.rpc import server_for, stopped_here
+
+    first = start_rpc_server()
+    endpoint = first.endpoint
+    assert server_for(endpoint) is first and not stopped_here(endpoint)
+    first.close()
+    assert server_for(endpoint) is None and stopped_here(endpoint)
+    # a new server on the same port is alive again
+    second = start_rpc_server(port=first.port)
+    try:
+        assert server_for(endpoint) is second and not stopped_here(endpoint)
+    finally:
+        second.close()
 
 
 def test_several_rpc_servers_at_once(rpc_servers):
@@ -201,6 +238,7 @@ def test_greedy_decode_cpu_and_rpc_give_identical_tokens_and_logits(qwen3_model,
     rpc = run(model, stream[:4], 24, offload=Offload(n_gpu_layers=99), keep_logits=True)
     model.close()
     assert cpu.tokens == rpc.tokens
+    assert len(cpu.logits) == len(rpc.logits) >= 24
     assert all(np.array_equal(a, b) for a, b in zip(cpu.logits, rpc.logits))
 
 

@@ -177,3 +177,33 @@ def gate_summary(rows: list[Row], default: str = DEFAULT, gated: str = "product-
             "excess_gated": max(b.excess_bytes_per_token for _, b in pairs),
         }
     return out
+
+
+#: the seeds the README's tables are computed over
+README_SEEDS = (0, 1, 2)
+
+
+def _span(values: list[float], digits: int, always_two: bool = False) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return f"{lo}-{hi}" if always_two or lo != hi else lo
+
+
+def readme_tables(seeds: tuple[int, ...] = README_SEEDS) -> tuple[str, str]:
+    """The README's two policy-lab tables (Markdown): the default policy's copied bytes against LRU and
+    OPT, and the admission gate against the default, on every preset at its default size, over seeds."""
+    summaries, gates = [], []
+    for seed in seeds:
+        rows, _ = run(list(PRESETS), seed=seed, policies=[DEFAULT, "product-lru", "opt", "product-gated"])
+        summaries.append(summary(rows))
+        gates.append(gate_summary(rows))
+    policy = ["| preset | adaptive / LRU | adaptive / OPT |", "| --- | --- | --- |"]
+    gate = ["| preset | gated / default bytes | worst excess, MiB/token: default -> gated |", "| --- | --- | --- |"]
+    for preset in PRESETS:
+        label = f"{preset} (sanity)" if preset == "uniform" else preset
+        policy.append(f"| {label} | {_span([s[preset]['vs_lru'] for s in summaries], 3)} | "
+                      f"{_span([s[preset]['vs_opt'] for s in summaries], 2)} |")
+        g = [x[preset] for x in gates]
+        gate.append(f"| {preset} | {_span([x['bytes_min'] for x in g] + [x['bytes_max'] for x in g], 2, True)} | "
+                    f"{max(x['excess_default'] for x in g) / 2**20:.1f} -> "
+                    f"{max(x['excess_gated'] for x in g) / 2**20:.1f} |")
+    return "\n".join(policy) + "\n", "\n".join(gate) + "\n"

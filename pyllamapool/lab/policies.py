@@ -39,7 +39,8 @@ def _distinct(step: Sequence[int]) -> list[int]:
 
 
 def lru(steps: Steps, n_slots: int) -> PolicyStats:
-    """Evict the least recently used expert not used in this step (the product's rule)."""
+    """Evict the least recently used expert not used in this step. Experts used in the same step
+    age in the order they were used; the product breaks that tie by slot instead (`recency`)."""
     cache: OrderedDict[int, None] = OrderedDict()
     s = PolicyStats()
     for step in steps:
@@ -139,9 +140,10 @@ class _Residency:
         self.slot_of = [-1] * n_expert
         self.expert_in = [-1] * n_slots
 
-    def run(self, want: list[int], key: Callable[[int], tuple]) -> int:
+    def run(self, want: list[int], key: Callable[[int], tuple]) -> list[int]:
+        """Make every expert of the step resident; returns the ones uploaded (the misses)."""
         pinned = {self.slot_of[e] for e in want if self.slot_of[e] >= 0}
-        misses = 0
+        uploaded: list[int] = []
         for e in want:
             if self.slot_of[e] >= 0:
                 continue
@@ -152,15 +154,24 @@ class _Residency:
                 self.slot_of[self.expert_in[slot]] = -1
             self.expert_in[slot], self.slot_of[e] = e, slot
             pinned.add(slot)
-            misses += 1
-        return misses
+            uploaded.append(e)
+        return uploaded
+
+
+@dataclass
+class PolicyStep:
+    """One step of a re-derived product policy, in the product's per-id form."""
+    slots: list[int]   # slot of each id of the step, in order
+    miss: list[bool]   # the id's expert was uploaded in this step
+    rule: int          # the rule that chose victims: 0 recency (LRU), 1 use count
 
 
 def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookups: int = 4,
-             duel_lookups: int = 8) -> PolicyStats:
+             duel_lookups: int = 8, record: list[PolicyStep] | None = None) -> PolicyStats:
     """The product's default, re-derived: evict by recency (LRU) or by use count (halved every
     age_lookups x slots lookups; recency breaks ties), whichever rule missed less lately. Each rule
-    runs as a shadow over the same steps; their miss tallies halve every duel_lookups x slots."""
+    runs as a shadow over the same steps; their miss tallies halve every duel_lookups x slots.
+    With `record`, each step's slots, miss mask and leading rule are appended to it."""
     n_expert = n_expert or 1 + max((max(s) for s in steps if len(s)), default=0)
     last = [0] * n_expert
     count = [0] * n_expert
@@ -173,13 +184,16 @@ def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookup
     for t, step in enumerate(steps, 1):
         want = _distinct(step)
         rule = 1 if shadow_misses[1] < shadow_misses[0] else 0
-        m = real.run(want, rules[rule])
+        uploaded = real.run(want, rules[rule])
+        m = len(uploaded)
+        if record is not None:
+            record.append(PolicyStep([real.slot_of[e] for e in step], [e in uploaded for e in step], rule))
         s.lookups += len(want)
         s.misses += m
         s.uploads += m
         s.hits += len(want) - m
         for i in (0, 1):
-            shadow_misses[i] += shadows[i].run(want, rules[i])
+            shadow_misses[i] += len(shadows[i].run(want, rules[i]))
         for e in want:
             last[e] = t
             count[e] += 1
@@ -192,6 +206,29 @@ def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookup
             since_duel = 0
             shadow_misses = [m >> 1 for m in shadow_misses]
     s.evictions = s.misses - (n_slots - real.expert_in.count(-1))  # every other miss filled an empty slot
+    return s
+
+
+def recency(steps: Steps, n_slots: int, n_expert: int | None = None,
+            record: list[PolicyStep] | None = None) -> PolicyStats:
+    """The product's LRU, re-derived: the victim is the expert used longest ago, and among experts
+    last used in the same step, the one in the lowest slot."""
+    n_expert = n_expert or 1 + max((max(s) for s in steps if len(s)), default=0)
+    last = [0] * n_expert
+    real = _Residency(n_expert, n_slots)
+    s = PolicyStats()
+    for t, step in enumerate(steps, 1):
+        want = _distinct(step)
+        uploaded = real.run(want, lambda e: (last[e],))
+        if record is not None:
+            record.append(PolicyStep([real.slot_of[e] for e in step], [e in uploaded for e in step], 0))
+        s.lookups += len(want)
+        s.misses += len(uploaded)
+        s.uploads += len(uploaded)
+        s.hits += len(want) - len(uploaded)
+        for e in want:
+            last[e] = t
+    s.evictions = s.misses - (n_slots - real.expert_in.count(-1))
     return s
 
 
