@@ -194,6 +194,10 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
         inc = os.environ.get("Vulkan_INCLUDE_DIR")
         if inc:
             cfg.cmake_flags.append(f"-DVulkan_INCLUDE_DIR={inc}")
+            # headers unpacked into a prefix carry SPIRV-Headers' CMake package beside them
+            usr = Path(inc).parent
+            if (usr / "share" / "cmake").is_dir():
+                cfg.cmake_flags.append(f"-DCMAKE_PREFIX_PATH={usr}")
     if _which("ccache"):
         cfg.cmake_flags.append("-DGGML_CCACHE=ON")
     return cfg
@@ -226,8 +230,9 @@ def _compile(argv: list[str], runner: Runner, env: dict[str, str]) -> None:
         raise BuildError("compile failed:\n" + "\n".join(tail))
 
 
-def build(cfg: BuildConfig, runner: Runner, *, prepare_tree=None) -> Path:
-    """Run the whole build; returns the folder the libraries were installed into."""
+def build(cfg: BuildConfig, runner: Runner, *, prepare_tree=None, prefix: Path | None = None) -> Path:
+    """Run the whole build and install it under prefix (default: this checkout, where the binding
+    looks first); returns the folder the libraries were installed into."""
     root = paths.project_root()
     if cfg.problems:
         text = "toolchain missing for --target " + cfg.target + ":\n  " + "\n  ".join(cfg.problems)
@@ -247,5 +252,5 @@ def build(cfg: BuildConfig, runner: Runner, *, prepare_tree=None) -> Path:
         argv += ["-j", str(cfg.jobs)]
     _compile(argv, runner, env)
     runner.run(["cmake", "--install", str(cfg.build_dir), "--component", "pyllamapool",
-                "--prefix", str(root)], capture=True)
-    return paths.installed_lib_dir()
+                "--prefix", str(prefix or root)], capture=True)
+    return Path(prefix) / "pyllamapool" / "lib" if prefix else paths.installed_lib_dir()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-
-from . import buildsys, paths
+from . import buildsys, paths, vulkan_deps
 from .errors import PyllamapoolError
 from .patches import check_patches, export_patches, prepare
 from .pin import Pin
@@ -31,6 +31,9 @@ def make_parser(prog: str = "build.py") -> argparse.ArgumentParser:
                              "instead of the verified sdist")
     parser.add_argument("--reset", action="store_true",
                         help="prepare: recreate vendor/llama.cpp from the pin and series")
+    parser.add_argument("--prefix", type=Path,
+                        help="install into PREFIX/pyllamapool/{lib,bin} instead of this checkout (a second "
+                             "build beside the default one; point PYLLAMAPOOL_LIB_DIR at PREFIX/pyllamapool/lib)")
     parser.add_argument("--dry-run", action="store_true", help="print every command, change nothing")
     return parser
 
@@ -54,14 +57,21 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
                 return 1
             console.print("check-patches: the series applies to a pristine tree and patches/ is current")
         else:
+            if args.target == "vulkan":
+                # on Debian 12, fetch what the build and a lavapipe run need (and say so)
+                deps = vulkan_deps.ensure(runner)
+                if deps.include_dir:
+                    os.environ["Vulkan_INCLUDE_DIR"] = str(deps.include_dir)
+                for line in deps.done:
+                    runner.note(f"vulkan: {line}")
             cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs)
             libdir = buildsys.build(
-                cfg, runner,
+                cfg, runner, prefix=args.prefix.resolve() if args.prefix else None,
                 prepare_tree=lambda: prepare(pin, runner, source_path=args.source, reset=args.reset))
             if not args.dry_run:
                 console.print(f"built --target {cfg.target}"
                               f"{' --arch ' + cfg.arch if cfg.arch else ''}: libraries in {libdir}, "
-                              f"tools in {paths.installed_bin_dir()}")
+                              f"tools in {libdir.parent / 'bin'}")
     except PyllamapoolError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         return 2

@@ -146,6 +146,23 @@ def add_rpc_server(endpoint: str):
     return lib.ggml_backend_reg_dev_get(_rpc_regs[endpoint], 0)
 
 
+def local_gpus() -> list:
+    """This build's own GPUs (CUDA, HIP, Vulkan; never RPC devices), as llama.cpp picks them when a
+    model names no devices: the discrete ones, or the integrated ones when there is none."""
+    ffi, lib = backend()
+    gpus, igpus = [], []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = int(lib.ggml_backend_dev_type(dev))
+        if ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))) == b"RPC":
+            continue
+        if kind == lib.GGML_BACKEND_DEVICE_TYPE_GPU:
+            gpus.append(dev)
+        elif kind == lib.GGML_BACKEND_DEVICE_TYPE_IGPU:
+            igpus.append(dev)
+    return gpus or igpus
+
+
 def cpu_buffer_type():
     _, lib = backend()
     return lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU))
@@ -209,8 +226,9 @@ class Model:
         # what-if: load metadata only and let llama.cpp estimate every allocation
         params.no_alloc = no_alloc
         # Always pass an explicit device list: RPC devices registered for an earlier model in this
-        # process must not silently join this one.
-        devs = [add_rpc_server(ep) for ep in rpc]
+        # process must not silently join this one. The build's own GPUs come after this model's RPC
+        # devices, as in llama.cpp's default list.
+        devs = [add_rpc_server(ep) for ep in rpc] + local_gpus()
         dev_array = ffi.new("ggml_backend_dev_t[]", [*devs, ffi.NULL])
         self._keep.append(dev_array)
         params.devices = dev_array

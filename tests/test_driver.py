@@ -392,3 +392,56 @@ def test_importing_the_package_warns_when_the_build_is_from_another_series(tmp_p
     text = import_warnings(checkout)
     assert "StaleBuildWarning" in text and "do not match patches/series" in text and "python build.py" in text
     assert "StaleBuildWarning" not in import_warnings(checkout, PYLLAMAPOOL_NO_STALE_WARNING="1")
+
+
+def test_on_debian_12_the_vulkan_build_fetches_what_it_needs_and_says_so(tmp_path, monkeypatch):
+    """As root with nothing installed: glslc and the loader's dev files from bookworm, lavapipe from
+    bookworm-backports through a list of its own, newer headers through a private apt configuration.
+    A dry run prints all of it and writes nothing."""
+    import io
+
+    from rich.console import Console
+
+    from pyllamapool import vulkan_deps
+
+    monkeypatch.setenv("PYLLAMAPOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("Vulkan_INCLUDE_DIR", raising=False)
+    monkeypatch.setattr(vulkan_deps, "debian_codename", lambda: "bookworm")
+    monkeypatch.setattr(vulkan_deps.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(vulkan_deps.shutil, "which", lambda name: None if name == "glslc" else f"/usr/bin/{name}")
+    monkeypatch.setattr(vulkan_deps, "package_version",
+                        lambda name: "22.3.6-1+deb12u2" if name == "mesa-vulkan-drivers" else None)
+    monkeypatch.setattr(vulkan_deps, "_has_loader_link", lambda: False)
+    monkeypatch.setattr(vulkan_deps, "header_version", lambda include: (1, 3, 239))
+    out = io.StringIO()
+    runner = Runner(dry_run=True, console=Console(file=out, width=400, highlight=False))
+    deps = vulkan_deps.ensure(runner)
+    text = out.getvalue()
+    assert "apt-get -q -y install --no-install-recommends glslc libvulkan-dev" in text
+    assert "-t bookworm-backports install --no-install-recommends mesa-vulkan-drivers" in text
+    assert "the system's apt sources are unchanged" in text
+    assert "Dir::State::status=/dev/null" in text and "download libvulkan-dev spirv-headers" in text
+    assert deps.include_dir == tmp_path / "cache" / "vulkan" / "headers-trixie" / "usr" / "include"
+    assert all(line.startswith("(a real run)") for line in deps.done) and len(deps.done) == 3
+    assert "over 22.3.6" in deps.done[1]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_elsewhere_the_vulkan_build_changes_nothing(monkeypatch):
+    from pyllamapool import vulkan_deps
+
+    monkeypatch.setattr(vulkan_deps, "debian_codename", lambda: "noble")
+    runner = Runner(dry_run=True)
+    deps = vulkan_deps.ensure(runner)
+    assert deps.include_dir is None and deps.done == []
+
+
+def test_vulkan_header_versions_are_read_from_vulkan_core_h(tmp_path):
+    from pyllamapool import vulkan_deps
+
+    (tmp_path / "vulkan").mkdir()
+    (tmp_path / "vulkan" / "vulkan_core.h").write_text(
+        "#define VK_HEADER_VERSION 309\n"
+        "#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 4, VK_HEADER_VERSION)\n")
+    assert vulkan_deps.header_version(tmp_path) == (1, 4, 309)
+    assert vulkan_deps.header_version(tmp_path / "none") is None

@@ -134,6 +134,17 @@ def test_rpc_server_starts_on_loopback_and_stops_by_pid():
     server.close()
 
 
+def test_rpc_devices_are_never_taken_for_the_builds_own_gpus(qwen3_model, rpc_server):
+    from pyllamapool.llama import devices, local_gpus
+
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    try:
+        assert any(d.name.startswith("RPC") for d in devices())
+        assert local_gpus() == []  # the CPU build has no GPU of its own; test_vulkan.py covers one that has
+    finally:
+        model.close()
+
+
 def test_stopped_servers_are_forgotten_but_known_dead():
     from pyllamapool.rpc import server_for, stopped_here
 

@@ -1,0 +1,123 @@
+"""Pool checks on a real GPU backend, run in a process of their own with the Vulkan build loaded
+(PYLLAMAPOOL_LIB_DIR) on Mesa's lavapipe: `python tests/vulkan_worker.py CHECK MODEL` prints one JSON
+object. test_vulkan.py runs each check and asserts on what it reports.
+
+Every comparison is against the stock host-copy path on the same device: experts in host memory,
+copied to the device and computed there for every step (GGML_OP_OFFLOAD_MIN_BATCH=1 offloads even
+one-token steps). That is what a pooled expert must equal bit for bit: the same kernels on the same
+device, only the copy skipped. The all-resident run is reported beside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+os.environ["GGML_OP_OFFLOAD_MIN_BATCH"] = "1"
+
+from pyllamapool.decode import run_context  # noqa: E402
+from pyllamapool.llama import Context, Model, devices  # noqa: E402
+from pyllamapool.pool import PoolConfig  # noqa: E402
+from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream  # noqa: E402
+
+STREAM = token_stream(ModelSpec(), StreamSpec(n_tokens=48, seed=3))
+CHURN = np.random.default_rng(0).integers(0, ModelSpec().n_vocab, size=120).tolist()
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def greedy(model: Model, stream, pool: PoolConfig | None = None):
+    ctx = Context(model, pool=pool)
+    result = run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
+    counters, status = ctx.pool_counters(), ctx.pool_status(0) if pool else None
+    ctx.close()
+    return result.logits, counters, status
+
+
+def sequences(model: Model, seqs, pool: PoolConfig | None = None):
+    ctx = Context(model, n_seq_max=len(seqs), pool=pool)
+    out = []
+    for i in range(len(seqs[0])):
+        ctx.decode_batch([s[i] for s in seqs], [i] * len(seqs), list(range(len(seqs))), [True] * len(seqs))
+        out.append(np.concatenate([ctx.logits(q) for q in range(len(seqs))]))
+    counters = ctx.pool_counters()
+    ctx.close()
+    return out, counters
+
+
+def report(counters, status=None) -> dict:
+    out = {"lookups": counters.lookups, "misses": counters.misses, "evictions": counters.evictions,
+           "steps": counters.steps, "gated_steps": counters.gated_steps, "gate_closures": counters.gate_closures}
+    if status is not None:
+        out.update(enabled=status.enabled, reason=status.reason, device=status.device)
+    return out
+
+
+def check_parity(path: str) -> dict:
+    host_copy = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(host_copy, STREAM)
+    pooled, counters, status = greedy(host_copy, STREAM, PoolConfig(slots=4))
+    host_copy.close()
+    resident = Model(path, n_gpu_layers=99)
+    ref, *_ = greedy(resident, STREAM)
+    resident.close()
+    return {"devices": [d.name for d in devices()], "pooled_equals_host_copy": same(pooled, stock),
+            "resident_equals_host_copy": same(ref, stock), "n_steps": len(pooled), **report(counters, status)}
+
+
+def check_pinned(path: str) -> dict:
+    """-lm none: host experts in Vulkan_Host (pinned) memory."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99, use_mmap=False)
+    stock, *_ = greedy(model, STREAM)
+    pooled, counters, status = greedy(model, STREAM, PoolConfig(slots=4))
+    model.close()
+    return {"pooled_equals_host_copy": same(pooled, stock), **report(counters, status)}
+
+
+def check_two_sequences(path: str) -> dict:
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    seqs = [STREAM[:24], STREAM[24:48]]
+    stock, _ = sequences(model, seqs)
+    pooled, counters = sequences(model, seqs, PoolConfig(slots=8))
+    model.close()
+    return {"pooled_equals_host_copy": same(pooled, stock), **report(counters)}
+
+
+def check_gate(path: str) -> dict:
+    """Churn closes the gate: gated steps take the stock path, the graph is rebuilt on each verdict."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(model, CHURN)
+    gated, counters, status = greedy(model, CHURN, PoolConfig(slots=6, gate="yield"))
+    model.close()
+    return {"pooled_equals_host_copy": same(gated, stock), **report(counters, status)}
+
+
+def check_two_contexts(path: str) -> dict:
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(model, STREAM)
+    c1, c2 = Context(model, pool=PoolConfig(slots=4)), Context(model, pool=PoolConfig(slots=8))
+    r1, r2 = [], []
+    for ctx, out in ((c1, r1), (c2, r2)):
+        ctx.decode(STREAM[:8])
+        out.append(ctx.logits())
+    for tok in STREAM[8:]:  # interleaved: one context, then the other
+        for ctx, out in ((c1, r1), (c2, r2)):
+            ctx.decode([tok])
+            out.append(ctx.logits())
+    counters = [c1.pool_counters(), c2.pool_counters()]
+    c1.close()
+    c2.close()
+    model.close()
+    return {"pooled_equals_host_copy": same(r1, stock) and same(r2, stock),
+            "evictions": [c.evictions for c in counters]}
+
+
+CHECKS = {"parity": check_parity, "pinned": check_pinned, "two-sequences": check_two_sequences,
+          "gate": check_gate, "two-contexts": check_two_contexts}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2])))
