@@ -144,13 +144,18 @@ def _vulkan_header_version() -> tuple[int, int, int] | None:
     return None
 
 
+#: AddressSanitizer + UndefinedBehaviorSanitizer in llama.cpp and ggml (both have their own switches)
+SANITIZE_FLAGS = [f"-D{lib}_SANITIZE_{kind}=ON" for lib in ("LLAMA", "GGML") for kind in ("ADDRESS", "UNDEFINED")]
+
+
 def configure_target(target: str, arch: str | None = None, build_dir: Path | None = None,
-                     jobs: int | None = None) -> BuildConfig:
+                     jobs: int | None = None, sanitize: bool = False) -> BuildConfig:
     backend, arch = parse_target(target, arch)
     arch = normalize_arch(backend, arch)
     if jobs is not None and jobs < 1:
         raise PyllamapoolError(f"--jobs {jobs}: must be 1 or more")
     name = backend if not arch else f"{backend}-{arch.replace(';', '_')}"
+    name += "-sanitize" if sanitize else ""
     cfg = BuildConfig(backend, arch, Path(build_dir) if build_dir else paths.default_build_dir(name),
                       jobs)
     cfg.cmake_flags = ["-DCMAKE_BUILD_TYPE=Release", "-DPYLLAMAPOOL_PREPARE=OFF",
@@ -198,6 +203,8 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
             usr = Path(inc).parent
             if (usr / "share" / "cmake").is_dir():
                 cfg.cmake_flags.append(f"-DCMAKE_PREFIX_PATH={usr}")
+    if sanitize:
+        cfg.cmake_flags += SANITIZE_FLAGS
     if _which("ccache"):
         cfg.cmake_flags.append("-DGGML_CCACHE=ON")
     return cfg

@@ -34,6 +34,11 @@ def make_parser(prog: str = "build.py") -> argparse.ArgumentParser:
     parser.add_argument("--prefix", type=Path,
                         help="install into PREFIX/pyllamapool/{lib,bin} instead of this checkout (a second "
                              "build beside the default one; point PYLLAMAPOOL_LIB_DIR at PREFIX/pyllamapool/lib)")
+    parser.add_argument("--sanitize", action="store_true",
+                        help="AddressSanitizer + UndefinedBehaviorSanitizer build (folder build/<target>-sanitize; "
+                             "install it with --prefix)")
+    parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra CMake definition (repeatable), e.g. -D GGML_CUDA_FA=OFF to trim a build")
     parser.add_argument("--dry-run", action="store_true", help="print every command, change nothing")
     return parser
 
@@ -64,7 +69,11 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
                     os.environ["Vulkan_INCLUDE_DIR"] = str(deps.include_dir)
                 for line in deps.done:
                     runner.note(f"vulkan: {line}")
-            cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs)
+            cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs, args.sanitize)
+            for define in args.define:
+                if "=" not in define or not define.split("=", 1)[0]:
+                    raise PyllamapoolError(f"--define {define!r}: expected KEY=VALUE")
+                cfg.cmake_flags.append(f"-D{define}")
             libdir = buildsys.build(
                 cfg, runner, prefix=args.prefix.resolve() if args.prefix else None,
                 prepare_tree=lambda: prepare(pin, runner, source_path=args.source, reset=args.reset))

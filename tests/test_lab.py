@@ -213,3 +213,26 @@ def test_the_readme_tables_are_what_the_benchmark_computes():
     policy, gate = bench.readme_tables()
     assert policy in readme
     assert gate in readme
+
+
+def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
+    """benchmarks/gpu_check.py in its CPU mode: the same code a CUDA or ROCm machine runs."""
+    out = tmp_path / "gpu-check.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "run", "--testbed",
+                             "--geometry", "tiny", "--tokens", "24", "--card-mib", "1030,65536", "--upload-mib", "8",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["schema"] == "pyllamapool.gpu-check/1" and report["device"]["name"].startswith("RPC")
+    assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
+    assert report["parity"]["bit_identical"] and report["parity"]["evictions"] > 0
+    modes = [r["mode"] for r in report["rows"]]
+    assert modes[0] == "stock" and modes.count("copy") == 2 * 3 and modes[-1] == "resident"  # -mec 4, 8, 16
+    big = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 65536]
+    assert all(r["status"] == "enabled" for r in big)
+    copied = [r["copy_bytes_per_token"] for r in sorted(big, key=lambda r: r["slots"])]
+    assert copied == sorted(copied, reverse=True) and copied[0] > copied[-1]
+    small = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 1030]
+    assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in small)
+    assert report["host_expert_ms"] >= 0
+    assert "GPU check: RPC0" in result.stdout
