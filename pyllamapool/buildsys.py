@@ -207,6 +207,10 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
         cfg.cmake_flags += SANITIZE_FLAGS
     if _which("ccache"):
         cfg.cmake_flags.append("-DGGML_CCACHE=ON")
+        # paths below the checkout are hashed relative to it: another clone (CI's fresh one) reuses
+        # the objects a build in this one cached
+        if "CCACHE_BASEDIR" not in os.environ:
+            cfg.env["CCACHE_BASEDIR"] = str(paths.project_root())
     return cfg
 
 
