@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import paths
+from . import paths, vulkan_deps
 from .errors import BuildError, PyllamapoolError, ToolchainError
 from .runner import Runner
 
@@ -134,13 +134,9 @@ def _add_cublas(cfg: "BuildConfig", nvcc: str) -> None:
 
 def _vulkan_header_version() -> tuple[int, int, int] | None:
     for inc in (os.environ.get("Vulkan_INCLUDE_DIR"), "/usr/include", "/usr/local/include"):
-        header = Path(inc or "") / "vulkan" / "vulkan_core.h"
-        if inc and header.exists():
-            m = re.search(r"VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(0, (\d+), (\d+), VK_HEADER_VERSION\)",
-                          header.read_text(errors="replace"))
-            patch = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace"))
-            if m and patch:
-                return int(m.group(1)), int(m.group(2)), int(patch.group(1))
+        version = vulkan_deps.header_version(Path(inc)) if inc else None
+        if version:
+            return version
     return None
 
 
@@ -191,7 +187,7 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
         if version is None:
             cfg.problems.append("Vulkan headers not found (apt-get install libvulkan-dev, or set "
                                 "Vulkan_INCLUDE_DIR)")
-        elif version < (1, 3, 275):
+        elif version < vulkan_deps.MIN_HEADERS:
             cfg.problems.append(
                 f"Vulkan headers {'.'.join(map(str, version))} are too old for this llama.cpp "
                 "(Debian 12 ships 1.3.239): unpack Debian trixie's libvulkan-dev and spirv-headers "
