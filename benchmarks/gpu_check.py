@@ -40,6 +40,9 @@ GEOMETRIES = {
     # name: ModelSpec changes; "realistic" is ~5 GB of Q4_K experts (a 30B-A3B-like layer shape)
     "realistic": dict(n_layer=24, n_embd=2048, n_head=16, n_head_kv=4, n_expert=128, n_expert_used=8,
                       n_ff_exp=512, n_vocab=4096, expert_type="Q4_K"),
+    # ~2 GB of Q4_K experts of a 30B-A3B expert's size (2.6 MB each): made in about a minute on 16 cores
+    "medium": dict(n_layer=12, n_embd=2048, n_head=16, n_head_kv=4, n_expert=64, n_expert_used=8,
+                   n_ff_exp=768, n_vocab=4096, expert_type="Q4_K"),
     "small": dict(n_layer=8, n_embd=1024, n_head=8, n_head_kv=2, n_expert=64, n_expert_used=8,
                   n_ff_exp=256, n_vocab=2048, expert_type="Q4_K"),
     "tiny": dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_expert=16, n_expert_used=4,
@@ -54,6 +57,8 @@ def build(args) -> int:
         argv += ["--arch", args.arch]
     if args.jobs:
         argv += ["--jobs", str(args.jobs)]
+    if args.source:
+        argv += ["--source", args.source]
     if args.target == "cuda":
         argv += ["-D", "GGML_CUDA_FA=OFF"]  # the check needs no FlashAttention kernels: half the build
     print("$", " ".join(argv), flush=True)
@@ -120,10 +125,70 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
             "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions}
 
 
+def parity(args) -> dict:
+    import numpy as np
+
+    from pyllamapool.llama import add_rpc_server
+    from pyllamapool.offload import Offload
+    from pyllamapool.pool import PoolConfig
+    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.session import PoolSession
+    from pyllamapool.testmodel import ModelSpec, StreamSpec, cached_model, token_stream
+
+    spec = ModelSpec(**{**GEOMETRIES[args.geometry], **({"expert_type": args.expert_type} if args.expert_type else {})})
+    model_path = cached_model(spec)
+    stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + 8, seed=11))
+    heavy = PoolConfig(slots=spec.n_expert_used, device_mib=max(args.card_mib))
+    with ExitStack() as stack:
+        rpc: tuple[str, ...] = ()
+        if args.testbed:
+            server = stack.enter_context(start_rpc_server())
+            rpc = (server.endpoint,)
+            add_rpc_server(server.endpoint)
+        with PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048)) as offloaded:
+            pooled = offloaded.run(stream[:8], 0, pool=heavy, teacher_tokens=stream[8:], keep_logits=True)
+            reference = None if args.testbed else offloaded.run(stream[:8], 0, teacher_tokens=stream[8:],
+                                                               keep_logits=True)
+        if reference is None:
+            with PoolSession(model_path, Offload(rpc=rpc, n_ctx=2048)) as resident_session:
+                reference = resident_session.run(stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
+    a, b = pooled.decode.logits, reference.decode.logits
+    return {
+        "against": "all-resident (testbed)" if args.testbed else "stock host-copy path on the device",
+        "bit_identical": len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b)),
+        "max_abs_diff": float(max(np.max(np.abs(x - y)) for x, y in zip(a, b))) if len(a) == len(b) else None,
+        "evictions": pooled.counters.evictions, "steps": len(a), "expert_type": spec.expert_type}
+
+
+def parity_in_subprocess(args, geometry: str, expert_type: str | None = None, **env: str) -> dict:
+    argv = [sys.executable, __file__, "run", "--parity-only", "--geometry", geometry,
+            "--tokens", str(args.tokens), "--card-mib", ",".join(map(str, args.card_mib))]
+    argv += ["--testbed"] if args.testbed else []
+    argv += ["--expert-type", expert_type] if expert_type else []
+    result = subprocess.run(argv, capture_output=True, text=True,
+                            env={**os.environ, "GGML_OP_OFFLOAD_MIN_BATCH": "1", **env})
+    if result.returncode != 0:
+        return {"against": None, "bit_identical": False, "expert_type": expert_type, "error": result.stderr[-2000:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def parity_by_type(args) -> list[dict]:
+    """Every expert type on the tiny geometry. A type that differs is run again with the CUDA
+    backend's op fusion off: on the H200, F16/F32 experts differed (quantized ones did not), and the
+    suspect is the gate/up MUL_MAT_ID + GLU fusion, which picks another kernel for float types
+    (mmvf fused, mmf alone) and may apply to one path only."""
+    rows = []
+    for expert_type in args.parity_types:
+        row = parity_in_subprocess(args, "tiny", expert_type)
+        if not row["bit_identical"] and not args.testbed:
+            row["fusion_off"] = parity_in_subprocess(args, "tiny", expert_type, GGML_CUDA_DISABLE_FUSION="1")
+        rows.append(row)
+    return rows
+
+
 def run(args) -> int:
     if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
         os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
-    import numpy as np
     from rich.console import Console
     from rich.table import Table
 
@@ -186,22 +251,11 @@ def run(args) -> int:
             gap_ms = 1000.0 / stock.decode.decode_tokens_per_s - 1000.0 / resident_tps
             report["host_expert_ms"] = max(0.0, gap_ms) / per_token_cpu_experts
         # parity: the heaviest-eviction pool against the stock path with every expert computed on the
-        # device (GPU: host-copy offload even for one token; testbed: the all-resident run)
-        os.environ["GGML_OP_OFFLOAD_MIN_BATCH"] = "1"
-        heavy = PoolConfig(slots=spec.n_expert_used, device_mib=max(args.card_mib))
-        with PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048)) as offloaded:
-            pooled = offloaded.run(stream[:8], 0, pool=heavy, teacher_tokens=stream[8:], keep_logits=True)
-            reference = None if args.testbed else offloaded.run(stream[:8], 0, teacher_tokens=stream[8:],
-                                                               keep_logits=True)
-        if reference is None:
-            with PoolSession(model_path, Offload(rpc=rpc, n_ctx=2048)) as resident_session:
-                reference = resident_session.run(stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
-        a, b = pooled.decode.logits, reference.decode.logits
-        report["parity"] = {
-            "against": "all-resident (testbed)" if args.testbed else "stock host-copy path on the device",
-            "bit_identical": len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b)),
-            "max_abs_diff": float(max(np.max(np.abs(x - y)) for x, y in zip(a, b))) if len(a) == len(b) else None,
-            "evictions": pooled.counters.evictions, "steps": len(a)}
+        # device (GPU: host-copy offload even for one token, which a backend reads from
+        # GGML_OP_OFFLOAD_MIN_BATCH when it initialises: hence a process of its own; testbed: the
+        # all-resident run)
+        report["parity"] = parity_in_subprocess(args, args.geometry)
+        report["parity_by_type"] = parity_by_type(args)
 
     table = Table(title=f"GPU check: {report['device']['name']} ({report['device']['description']}), "
                         f"{args.geometry} geometry, {n} decode tokens")
@@ -220,9 +274,20 @@ def run(args) -> int:
                     f"pinned, {up['copy_latency_us_64k']:.0f} us per 64 KiB copy; host cost per CPU expert: "
                     f"{report.get('host_expert_ms', float('nan')):.3f} ms; parity vs {report['parity']['against']}: "
                     f"{'bit-identical' if report['parity']['bit_identical'] else 'DIFFERS'}")
+    by_type = report["parity_by_type"]
+    if by_type:
+        def verdict(r: dict) -> str:
+            if r.get("error"):
+                return "ERROR"
+            if r["bit_identical"]:
+                return "="
+            off = r.get("fusion_off")
+            return f"DIFFERS ({r['max_abs_diff']:.3g}" + (
+                f"; fusion off: {'=' if off['bit_identical'] else 'still differs'})" if off else ")")
+        out.print("parity by expert type (tiny geometry): " + ", ".join(f"{r['expert_type']} {verdict(r)}" for r in by_type))
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     out.print(f"written to {args.out}" + (" (testbed: loopback copies on shared cores, not a GPU)" if args.testbed else ""))
-    return 0 if report["parity"]["bit_identical"] else 1
+    return 0 if report["parity"]["bit_identical"] and all(r["bit_identical"] for r in by_type) else 1
 
 
 def main() -> int:
@@ -232,6 +297,7 @@ def main() -> int:
     b.add_argument("--target", choices=("cuda", "hip", "vulkan"), required=True)
     b.add_argument("--arch")
     b.add_argument("--jobs", type=int)
+    b.add_argument("--source", help="a local pristine llama.cpp tree at the pin (machines without network)")
     r = sub.add_parser("run", help="measure and write the JSON report")
     r.add_argument("--testbed", action="store_true", help="the loopback RPC device instead of a GPU (CPU-only CI)")
     r.add_argument("--geometry", choices=list(GEOMETRIES), default="realistic")
@@ -242,9 +308,25 @@ def main() -> int:
     r.add_argument("--tokens", type=int, default=64, help="teacher-forced decode tokens per run")
     r.add_argument("--upload-mib", type=int, default=256)
     r.add_argument("--out", default="gpu-check.json")
+    r.add_argument("--parity-types", type=lambda s: [t for t in s.split(",") if t], default=None,
+                   help="expert types whose pooled decode is compared bit for bit on the tiny geometry "
+                        "(default: every type the test models come in; '' for none)")
+    r.add_argument("--parity-only", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--expert-type", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.command == "build":
         return build(args)
+    from pyllamapool.testmodel import EXPERT_TYPES
+    if args.parity_types is None:
+        args.parity_types = list(EXPERT_TYPES)
+    bad = [t for t in args.parity_types if t not in EXPERT_TYPES]
+    if bad:
+        parser.error(f"--parity-types: unknown {', '.join(bad)}")
+    if args.parity_only:
+        if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
+            os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
+        print(json.dumps(parity(args)))
+        return 0
     if args.mec is None:
         g = GEOMETRIES[args.geometry]
         args.mec = sorted({g["n_expert_used"], g["n_expert"] // 4, g["n_expert"] // 2, g["n_expert"]})

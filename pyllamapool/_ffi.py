@@ -7,9 +7,11 @@ headers, which checks every struct layout and enum value with the C compiler.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,11 +86,28 @@ def clean_cdef(text: str) -> str:
     return "\n".join(lines)
 
 
+def _cxx_runtime_first() -> None:
+    """Put the system C++ runtime in the process's global symbol scope before libllama loads.
+
+    Python itself does not link it, so otherwise the first library to bring a copy of the C++
+    runtime's symbols can serve them to libllama. A CUDA 13 build of ggml-cuda, linked by nvcc,
+    carries its own copy and exports it: on the GPU check machine (H200) that copy served
+    libllama's std::ostream calls and model loading crashed in llama_model::print_info, while
+    llama-bench, which links the runtime itself, ran; LD_PRELOAD=libstdc++.so.6 cured it. This
+    does the same from inside the process."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        except OSError:
+            pass  # no system runtime: libllama's own dlopen below reports what is missing
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[cffi.FFI, object, NativeLocation]:
     """(ffi, lib, location) for the located build; loaded once per process."""
     where = locate()
     ffi = cffi.FFI()
     ffi.cdef(clean_cdef(where.cdef_file.read_text()))
+    _cxx_runtime_first()
     lib = ffi.dlopen(str(where.library))
     return ffi, lib, where

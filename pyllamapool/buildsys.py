@@ -97,19 +97,21 @@ def _cublas_in_toolkit(nvcc: str) -> bool:
 
 
 def _cublas_wheel() -> tuple[Path, Path] | None:
-    """(library, include dir) of PyPI's nvidia-cublas wheel, if installed."""
+    """(library, include dir) of PyPI's cuBLAS wheel, if installed: nvidia-cublas-cu12 unpacks into
+    nvidia/cublas/, the CUDA 13 nvidia-cublas into nvidia/cu13/."""
     import importlib.util
     try:
-        spec = importlib.util.find_spec("nvidia.cublas")
+        spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    base = Path(next(iter(spec.submodule_search_locations)))
-    libs = sorted((base / "lib").glob("libcublas.so*"))
-    if not libs or not (base / "include" / "cublas_v2.h").exists():
-        return None
-    return libs[0], base / "include"
+    for root in map(Path, spec.submodule_search_locations):
+        for base in [root / "cublas", *sorted(root.glob("cu[0-9]*"), reverse=True)]:
+            libs = sorted((base / "lib").glob("libcublas.so*"))
+            if libs and (base / "include" / "cublas_v2.h").exists():
+                return libs[0], base / "include"
+    return None
 
 
 def _add_cublas(cfg: "BuildConfig", nvcc: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 
 import cffi
 import pytest
@@ -133,3 +135,16 @@ def test_missing_library_error_lists_the_paths_tried(monkeypatch, tmp_path):
         _ffi.locate()
     assert str(tmp_path) in str(err.value)
     assert "PYLLAMAPOOL_LIB_DIR" in str(err.value)
+
+
+def test_the_system_cxx_runtime_serves_libllama_before_any_backend_copy():
+    """A backend library that exports its own copy of the C++ runtime (nvcc-linked CUDA 13 builds do)
+    must not serve libllama's std:: calls: the binding puts the system runtime in the global scope
+    first. dlsym(RTLD_DEFAULT) searches only that scope."""
+    code = ("import ctypes, sys\n"
+            "from pyllamapool import _ffi\n"
+            "_ffi.load()\n"
+            "ctypes.CDLL(None)._ZNSo9_M_insertIlEERSoT_\n"  # std::ostream::_M_insert<long>
+            "print('global')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "global" in result.stdout, result.stderr[-2000:]

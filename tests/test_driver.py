@@ -290,11 +290,12 @@ def test_cuda_with_the_toolkits_cublas_needs_nothing_more(tmp_path, monkeypatch)
     assert not any("cublas" in f for f in cfg.cmake_flags)
 
 
-def test_cuda_with_the_nvidia_cublas_wheel_points_cmake_at_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["cublas", "cu13"])  # nvidia-cublas-cu12, and CUDA 13's nvidia-cublas
+def test_cuda_with_the_nvidia_cublas_wheel_points_cmake_at_it(tmp_path, monkeypatch, layout):
     monkeypatch.setenv("CUDACXX", str(_fake_toolkit(tmp_path / "cuda", with_cublas=False)))
     monkeypatch.delenv("CUDAToolkit_ROOT", raising=False)
     monkeypatch.delenv("CUDA_HOME", raising=False)
-    wheel = tmp_path / "site" / "nvidia" / "cublas"
+    wheel = tmp_path / "site" / "nvidia" / layout
     (wheel / "lib").mkdir(parents=True)
     (wheel / "include").mkdir()
     (wheel / "lib" / "libcublas.so.13").write_bytes(b"")

@@ -220,12 +220,14 @@ def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
     out = tmp_path / "gpu-check.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "run", "--testbed",
                              "--geometry", "tiny", "--tokens", "24", "--card-mib", "1030,65536", "--upload-mib", "8",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                             "--parity-types", "F16,Q4_K", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["schema"] == "pyllamapool.gpu-check/1" and report["device"]["name"].startswith("RPC")
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
     assert report["parity"]["bit_identical"] and report["parity"]["evictions"] > 0
+    assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
+    assert all(r["evictions"] > 0 for r in report["parity_by_type"])
     modes = [r["mode"] for r in report["rows"]]
     assert modes[0] == "stock" and modes.count("copy") == 2 * 3 and modes[-1] == "resident"  # -mec 4, 8, 16
     big = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 65536]
