@@ -275,12 +275,116 @@ def cmd_sweep(args) -> int:
     offload = _offload(args, n_ctx=max(args.n_ctx, args.n_tokens + 16))
     result = run_sweep(args.model, offload, grid, stream[:8], stream[8:], repeats=args.repeats,
                        console=err_console, progress=not args.json)
+    if args.predict:
+        from .predict import annotate_sweep, parse_profile
+        annotate_sweep(result.rows, args.model, parse_profile(args.predict),
+                       n_host_layers=None if offload.cpu_moe or not offload.n_cpu_moe else offload.n_cpu_moe)
     if args.json:
         print(write_json(result, None))
     else:
         console.print(sweep_table(result))
     if args.plot:
         err_console.print(f"plot written to {plot(result, Path(args.plot))}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from . import predict as P
+
+    if args.list_profiles:
+        table = Table(title="hardware profiles (pyllamapool predict --profile NAME)")
+        for col in ("name", "machine", "link GB/s pinned / pageable", "copy µs", "CPU expert GB/s",
+                    "device GB/s", "sync µs"):
+            table.add_column(col)
+        for prof in P.PROFILES.values():
+            table.add_row(prof.name, prof.description, f"{prof.pcie_gb_s:g} / {prof.pageable_gb_s:g}",
+                          f"{prof.copy_latency_us:g}", f"{prof.host_expert_gb_s:g}", f"{prof.device_gb_s:g}",
+                          f"{prof.sync_us:g}")
+        console.print(table)
+        return 0
+    if args.validate:
+        return _print_validation(P.validate(seed=args.seed), args.json)
+    if not args.model:
+        raise PyllamapoolError("pyllamapool predict needs a model (MODEL.gguf), or --validate / --list-profiles")
+    profile = P.parse_profile(args.profile)
+    geometry = P.geometry_from_gguf(args.model, profile, n_host_layers=args.host_layers,
+                                    stock_tps=args.stock_tps, dense_ms=args.dense_ms)
+    if args.trace:
+        from .trace import Trace
+        routing = P.Routing.from_trace(Trace.load(args.trace), f"trace {args.trace}")
+        if (routing.n_expert, routing.top_k) != (geometry.n_expert, geometry.top_k):
+            raise PyllamapoolError(f"--trace {args.trace}: {routing.n_expert} experts top-{routing.top_k}, the "
+                                   f"model has {geometry.n_expert} top-{geometry.top_k}")
+    else:
+        routing = P.Routing.from_preset(args.preset, args.seed, n_expert=geometry.n_expert, top_k=geometry.top_k)
+    rows = [r for slots in args.mec for r in P.predict(geometry, profile, routing, slots,
+                                                       upload_frac=args.upload_frac, pinned=not args.pageable)
+            if r.mode != "stock" or slots == args.mec[0]]
+    if args.json:
+        print(json.dumps({"schema": "pyllamapool.predict/1", "profile": asdict(profile),
+                          "geometry": asdict(geometry), "routing": routing.source,
+                          "rows": P.as_json(rows)}, indent=2))
+        return 0
+    console.print(f"{geometry.name}: {geometry.n_host_layers} host-expert layers, {geometry.n_expert} experts "
+                  f"top-{geometry.top_k}, {geometry.expert_bytes / 2**20:.2f} MiB per expert, device "
+                  f"{geometry.dense_ms:.1f} ms/token; {profile.description}; routing: {routing.source}")
+    stock = next(r for r in rows if r.mode == "stock")
+    table = Table(title="predicted decode (batch 1), per token")
+    for col in ("mode", "-mec", "hit rate", "t/s", "x stock", "ms", "device", "CPU experts", "uploads",
+                "syncs", "CPU experts/token", "MiB up/token"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        parts = r.parts_ms
+        cpu_ms = parts.get("cpu_experts", parts.get("experts_overlapped", 0.0))
+        table.add_row(r.mode, str(r.slots) if r.mode != "stock" else "-", f"{r.hit_rate:.1%}",
+                      f"{r.tokens_per_s:.2f}", f"{r.tokens_per_s / stock.tokens_per_s:.2f}", f"{r.ms_per_token:.1f}",
+                      f"{parts['device'] + parts.get('device_experts', 0.0):.1f}", f"{cpu_ms:.1f}",
+                      f"{parts.get('uploads', 0.0):.1f}", f"{parts['syncs']:.1f}", f"{r.cpu_experts:.0f}",
+                      f"{r.upload_mib:.1f}")
+    Console(width=max(console.width, 150), highlight=False).print(table)
+    console.print("hybrid's CPU column is the slower side of each layer (hits on the device run at the same "
+                  "time); its uploads are off the critical path, within --upload-frac of a token")
+    return 0
+
+
+def _print_validation(rows, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0
+    table = Table(title="pyllamapool predict --validate: published results vs the model")
+    for col in ("anchor", "mode", "slots", "measured t/s", "predicted", "error", "hits (preset)",
+                "hits needed", "hits published", "predicted at published hits", "error"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.anchor, r.mode, str(r.slots), f"{r.measured_tps:.2f}", f"{r.predicted_tps:.2f}",
+                      f"{r.error:+.0%}", f"{r.hit_rate:.1%}",
+                      "-" if r.hit_rate_needed is None else f"{r.hit_rate_needed:.1%}",
+                      "-" if r.published_hit_rate is None else f"{r.published_hit_rate:.1%}",
+                      "-" if r.predicted_tps_at_published_hits is None else f"{r.predicted_tps_at_published_hits:.2f}",
+                      "-" if r.error_at_published_hits is None else f"{r.error_at_published_hits:+.0%}")
+    Console(width=max(console.width, 170), highlight=False).print(table)
+    misses: dict[str, list[str]] = {}
+    notes = {r.anchor: r.note for r in rows}
+    for r in rows:
+        best = r.error if r.error_at_published_hits is None else r.error_at_published_hits
+        if abs(best) > 0.20:
+            misses.setdefault(r.anchor, []).append(f"{best:+.0%} at {r.slots} slots")
+    for anchor, where in misses.items():
+        console.print(f"[yellow]{anchor} misses by more than 20% ({', '.join(where)})[/yellow]: {notes[anchor]}")
+    return 0
+
+
+def cmd_measure_host(args) -> int:
+    from .measure import measure_host
+
+    m = measure_host(args.expert_type, args.n_embd, args.n_ff, threads=args.threads, seconds=args.seconds)
+    if args.json:
+        print(json.dumps(asdict(m), indent=2))
+        return 0
+    console.print(f"{m.expert_type} expert of {m.n_embd} x {m.n_ff} (x3: gate, up, down; "
+                  f"{m.expert_bytes / 2**20:.2f} MiB) on {m.threads} threads: {m.ms_per_expert:.3f} ms per "
+                  f"token, {m.gb_per_s:.1f} GB/s of expert bytes")
+    console.print(f"use it as a profile's host_expert_gb_s: {m.gb_per_s:.1f}")
     return 0
 
 
@@ -407,8 +511,40 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repeats", type=_positive, default=3)
     p.add_argument("--seed", type=int, default=0, help="token stream seed")
     p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--predict", metavar="PROFILE",
+                   help="add the cost model's t/s at each row's measured hit rate (a built-in profile or a "
+                        "GPU check report; the pool-off row calibrates the device's time)")
     p.add_argument("--json", action="store_true", help="print the sweep as JSON (schema pyllamapool.sweep/1)")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("predict", help="predicted decode t/s per pool mode for a model on a card, from a cost model")
+    p.add_argument("model", nargs="?", help="MODEL.gguf (its header gives experts, top-k and bytes)")
+    p.add_argument("--profile", default="rtx3090-pcie4",
+                   help="a built-in hardware profile (--list-profiles) or a GPU check report (gpu-check.json)")
+    p.add_argument("-mec", "--moe-expert-cache", dest="mec", type=_int_list, default=[16, 32, 64],
+                   help="slots per layer to predict (comma-separated)")
+    p.add_argument("--host-layers", type=_non_negative, help="MoE layers with host experts (--n-cpu-moe; default all)")
+    p.add_argument("--stock-tps", type=float, help="your measured stock --n-cpu-moe decode t/s (calibrates the "
+                                                   "device's own time; otherwise estimated from the model's bytes)")
+    p.add_argument("--dense-ms", type=float, help="the device's own time per token, if known")
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="routing preset (shaped to the model's experts)")
+    p.add_argument("--trace", help="a recorded routing trace (pyllamapool trace) instead of a preset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--upload-frac", type=float, default=0.25, help="hybrid's upload budget, share of a token")
+    p.add_argument("--pageable", action="store_true", help="experts upload from mmap'd pages, not pinned memory")
+    p.add_argument("--validate", action="store_true", help="compare the model with published results")
+    p.add_argument("--list-profiles", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("measure-host", help="what one expert costs this CPU (ggml's MUL_MAT_ID, from RAM)")
+    p.add_argument("--expert-type", default="Q4_K")
+    p.add_argument("--n-embd", type=_positive, default=2048)
+    p.add_argument("--n-ff", type=_positive, default=768, help="expert FFN width")
+    p.add_argument("-t", "--threads", type=_positive)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_measure_host)
 
     p = sub.add_parser("demo", help="the pool end to end on this machine (GPU, or a loopback RPC device)")
     p.add_argument("--out", type=Path, help="where to write sweep.png and sweep.json")

@@ -64,6 +64,7 @@ SWEEP_SCHEMA = {
                 "copy_bytes_per_token": {"type": "number", "minimum": 0},
                 "steps": {"type": "integer", "minimum": 0},
                 "bypassed_steps": {"type": "integer", "minimum": 0},
+                "predicted_tps": {"type": "number", "exclusiveMinimum": 0},  # sweep --predict
                 "decode_tps": {"type": "object", "required": ["median", "min", "max"],
                                "properties": {k: {"type": "number"} for k in ("median", "min", "max")}},
                 "tokens_match_first_row": {"type": "boolean"},
@@ -154,7 +155,9 @@ def run_sweep(model: str | Path, offload: Offload, grid: SweepGrid, prompt: Sequ
 def sweep_table(result: SweepResult, title: str = "expert pool sweep") -> Table:
     """One row per configuration; `limit` is limited_by for an admitted pool, else why it is off."""
     table = Table(title=title)
-    for col in ("-mec", "policy", "limit", "MiB", "hits", "copy/tok", "evict", "gated", "t/s (min-max)", "vs off"):
+    predicted = all("predicted_tps" in r for r in result.rows) and result.rows
+    for col in ("-mec", "policy", "limit", "MiB", "hits", "copy/tok", "evict", "gated", "t/s (min-max)", "vs off",
+                *(("predicted t/s",) if predicted else ())):
         table.add_column(col, justify="left" if col == "limit" else "right", no_wrap=True)
     base = next((r["decode_tps"]["median"] for r in result.rows if r["slots"] == 0), None)
     for r in result.rows:
@@ -164,7 +167,8 @@ def sweep_table(result: SweepResult, title: str = "expert pool sweep") -> Table:
             str(r["slots"]), "-" if r["slots"] == 0 else r["policy"] + ("+gate" if r["gate"] == "yield" else ""),
             limit, f"{r['bytes'] / 2**20:.1f}", f"{r['hit_rate']:.1%}" if r["lookups"] else "-",
             f"{r['copy_bytes_per_token'] / 1024:.0f}K", str(r["evictions"]), str(r["gated_steps"]),
-            f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})", f"{t['median'] / base:.2f}x" if base else "-")
+            f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})", f"{t['median'] / base:.2f}x" if base else "-",
+            *((f"{r['predicted_tps']:.0f}",) if predicted else ()))
     return table
 
 

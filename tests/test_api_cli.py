@@ -121,7 +121,7 @@ def test_plan_without_a_device_size_or_pool_is_a_clear_error(qwen3_model):
 # --------------------------------------------------------------------------------------------
 # command line
 
-COMMANDS = ["build", "info", "make-model", "run", "plan", "sweep", "demo", "trace"]
+COMMANDS = ["build", "info", "make-model", "run", "plan", "sweep", "demo", "trace", "predict", "measure-host"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -178,6 +178,26 @@ def test_sweep_command_json(qwen3_model, rpc_server, tmp_path):
     assert result.returncode == 0, result.stderr
     jsonschema.validate(json.loads(result.stdout), SWEEP_SCHEMA)
     assert png.stat().st_size > 10_000
+
+
+def test_sweep_prints_the_cost_models_speed_next_to_the_measured_one(qwen3_model, rpc_server):
+    from pyllamapool import predict as P
+
+    args = ("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
+            "--slots", "0,4,16", "--device-mib", "65536", "-n", "24", "-r", "1", "--predict", "rtx3090-pcie4")
+    table = cli(*args)
+    assert table.returncode == 0, table.stderr
+    assert "predicted t/s" in table.stdout
+    data = json.loads(cli(*args, "--json").stdout)
+    jsonschema.validate(data, SWEEP_SCHEMA)
+    off, *pooled = data["rows"]
+    # the pool-off row calibrates the device's time, so it predicts itself
+    assert off["predicted_tps"] == pytest.approx(off["decode_tps"]["median"])
+    profile = P.PROFILES["rtx3090-pcie4"]
+    g = P.geometry_from_gguf(qwen3_model, profile, stock_tps=off["decode_tps"]["median"])
+    for r in pooled:
+        assert r["predicted_tps"] == pytest.approx(P._tps_at_hit_rate(g, profile, "copy", r["hit_rate"], True))
+    assert pooled[1]["predicted_tps"] > pooled[0]["predicted_tps"]  # 16 slots hit more than 4
 
 
 def test_sweep_crosses_policies_and_gates_but_runs_the_pool_off_once(qwen3_model, rpc_server):

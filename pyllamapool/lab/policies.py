@@ -7,7 +7,7 @@ runs on the CPU: a miss that copies nothing). Results count lookups, hits, misse
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -229,6 +229,90 @@ def recency(steps: Steps, n_slots: int, n_expert: int | None = None,
         for e in want:
             last[e] = t
     s.evictions = s.misses - (n_slots - real.expert_in.count(-1))
+    return s
+
+
+def global_lru(layers: Sequence[Steps], n_slots_total: int) -> PolicyStats:
+    """A copy-on-miss cache shaped like llama.cpp's merged one (`--moe-cache-mib`): one LRU over
+    (layer, expert) for all layers that share a device, so the budget moves between layers by
+    itself. Layers run in order within a token; a step's experts must all be resident."""
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    s = PolicyStats()
+    n_tokens = min(len(steps) for steps in layers) if layers else 0
+    for t in range(n_tokens):
+        for li, steps in enumerate(layers):
+            want = [(li, e) for e in _distinct(steps[t])]
+            s.lookups += len(want)
+            for key in want:
+                if key in cache:
+                    s.hits += 1
+                    cache.move_to_end(key)
+            for key in want:
+                if key in cache:
+                    continue
+                s.misses += 1
+                s.uploads += 1
+                if len(cache) >= n_slots_total:
+                    victim = next((c for c in cache if c not in want), None)
+                    if victim is None:
+                        continue  # this step alone fills the cache: the expert is used but not kept
+                    del cache[victim]
+                    s.evictions += 1
+                cache[key] = None
+    return s
+
+
+@dataclass
+class HybridStats(PolicyStats):
+    """Hybrid mode: a miss runs on the CPU in its step; uploads are separate admission decisions."""
+    deferred: int = 0    # admitted (it would pay back) but over the upload budget
+
+
+def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback_uses: float,
+                     window: int = 16) -> PolicyStats:
+    """Hybrid admission over one layer. A miss runs on the CPU in its step; an upload happens off the
+    critical path, within the upload budget (`upload_per_step` uploads per step, accumulated: a
+    fraction of the token time over the upload time). An empty slot takes any missed expert. A full
+    pool replaces its least used resident (uses in the last `window` steps, then least recently
+    used) only when the candidate's uses beat the victim's by `payback_uses` (the uses that save
+    more CPU time than the upload costs: upload ms / CPU ms per expert), so churn cannot cost more
+    than it saves. Admitted but over budget counts as `deferred`. The upload lands for the next step.
+    """
+    resident: set[int] = set()
+    recent: deque[list[int]] = deque(maxlen=window)
+    uses: dict[int, int] = {}
+    last: dict[int, int] = {}
+    credit = 0.0
+    s = HybridStats()
+    for t, step in enumerate(steps):
+        want = _distinct(step)
+        s.lookups += len(want)
+        missed = [e for e in want if e not in resident]
+        s.hits += len(want) - len(missed)
+        s.misses += len(missed)
+        if len(recent) == recent.maxlen:
+            for e in recent[0]:
+                uses[e] -= 1
+        recent.append(want)
+        for e in want:
+            uses[e] = uses.get(e, 0) + 1
+            last[e] = t
+        credit = min(credit + upload_per_step, max(1.0, upload_per_step))
+        for e in sorted(missed, key=lambda e: -uses[e]):
+            victim = None
+            if len(resident) >= n_slots:
+                victim = min(resident, key=lambda c: (uses.get(c, 0), last.get(c, -1), c))
+                if uses[e] - uses.get(victim, 0) < payback_uses:
+                    continue
+            if credit < 1.0:
+                s.deferred += 1
+                continue
+            if victim is not None:
+                resident.remove(victim)
+                s.evictions += 1
+            resident.add(e)
+            s.uploads += 1
+            credit -= 1.0
     return s
 
 

@@ -46,6 +46,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            topic_share=0.15,
            published=((93, 0.435), (186, 0.62), (279, 0.72), (372, 0.789)),
            source="Qwen3.8-Flash-Next, 54k-record mixed workload: LRU 93/186/279/372 -> 43.5/62/72/78.9%"),
+    Preset("qwen3.8-flash-next-hot", 512, 10, zipf=0.6, p_prev=0.3, p_window=0.3, window=8, topic_boost=10.0,
+           topic_share=0.15,
+           published=((66, 0.729), (80, 0.771), (128, 0.85), (256, 0.92)),
+           source="Qwen3.8-Flash-Next, single-workload runs: the gfx906 fork's 66/80 slots per tensor -> "
+                  "72.9/77.1%; another workload's 128/256 -> ~85/92%"),
     Preset("glm-chat-shift", 288, 8, zipf=0.3, p_prev=0.15, p_window=0.05, window=8, topic_boost=10.0,
            topic_share=0.5, request_length=300,
            published=((100, 0.66),),

@@ -1,0 +1,212 @@
+"""The cost model (`pyllamapool predict`): its laws, its reference policies, its inputs, its checks
+against published results, and its command line."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pyllamapool import predict as P
+from pyllamapool.errors import PyllamapoolError
+from pyllamapool.lab import bench, policies, synth
+from pyllamapool.trace import expert_bytes_from_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+GEOMETRY = P.Geometry("test", n_host_layers=48, n_expert=128, top_k=8, expert_bytes=2 << 20, dense_ms=20.0)
+
+
+@pytest.fixture(scope="module")
+def routing() -> P.Routing:
+    return P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=400)
+
+
+def by_mode(rows: list[P.ModePrediction]) -> dict[str, P.ModePrediction]:
+    return {r.mode: r for r in rows}
+
+
+def test_without_slots_every_mode_is_the_stock_path(routing):
+    rows = by_mode(P.predict(GEOMETRY, P.PROFILES["rtx3090-pcie4"], routing, 0))
+    assert {r.ms_per_token for r in rows.values()} == {rows["stock"].ms_per_token}
+    assert all(r.upload_mib == 0 for r in rows.values())
+
+
+def test_stock_computes_every_routed_expert_of_a_host_layer_on_the_cpu(routing):
+    stock = by_mode(P.predict(GEOMETRY, P.PROFILES["rtx3090-pcie4"], routing, 32))["stock"]
+    assert stock.cpu_experts == pytest.approx(48 * 8)
+    cpu = 48 * 8 * (2 << 20) / 44.0 * 1e-6
+    assert stock.parts_ms["cpu_experts"] == pytest.approx(cpu, abs=1e-3)
+    assert stock.ms_per_token == pytest.approx(20.0 + cpu + 48 * 0.020, abs=1e-2)
+
+
+def test_more_slots_copy_fewer_bytes_and_decode_faster(routing):
+    prof = P.PROFILES["rtx3090-pcie4"]
+    copy = [by_mode(P.predict(GEOMETRY, prof, routing, s, modes=("copy",)))["copy"] for s in (8, 16, 32, 64, 128)]
+    assert [c.upload_mib for c in copy] == sorted((c.upload_mib for c in copy), reverse=True)
+    assert [c.tokens_per_s for c in copy] == sorted(c.tokens_per_s for c in copy)
+    # room for every expert: only first uses miss
+    cold = sum(len({e for step in steps for e in step}) for steps in routing.layers)
+    lookups = sum(len(set(step)) for steps in routing.layers for step in steps)
+    assert copy[-1].hit_rate == pytest.approx(1 - cold / lookups)
+
+
+def test_copy_on_miss_breaks_even_where_an_upload_costs_what_its_misses_save():
+    """routing-locality.md: copy-on-miss pays only above h* ~ 1 - (CPU time per expert / upload time
+    per expert); over PCIe 3.0 with an 8-channel DDR4 host that is ~90%."""
+    prof = P.PROFILES["pcie3-ddr4-8ch"]
+    g = GEOMETRY
+    stock_tps = 1000.0 / (g.dense_ms + g.n_host_layers * g.top_k * g.expert_bytes / prof.host_expert_gb_s * 1e-6
+                          + g.n_host_layers * prof.sync_us / 1000)
+    h = P._hit_rate_needed(g, prof, "copy", stock_tps, pinned=True)
+    cpu_e = g.expert_bytes / prof.host_expert_gb_s
+    up_e = g.expert_bytes / prof.pcie_gb_s + 3 * prof.copy_latency_us * 1e3
+    dev_e = g.expert_bytes / prof.device_gb_s
+    assert h == pytest.approx(1 - (cpu_e - dev_e) / up_e, abs=1e-6)
+    assert 0.85 < h < 0.95
+
+
+@pytest.mark.parametrize("profile", sorted(P.PROFILES))
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "glm-chat-shift", "uniform"])
+def test_hybrid_is_never_slower_than_stock_and_never_waits_for_an_upload(profile, preset):
+    routing = P.Routing.from_preset(preset, 1, n_tokens=300, n_expert=128, top_k=8)
+    for slots in (8, 32, 96):
+        rows = by_mode(P.predict(GEOMETRY, P.PROFILES[profile], routing, slots, modes=("stock", "hybrid")))
+        assert rows["hybrid"].ms_per_token <= rows["stock"].ms_per_token + 1e-9
+        assert "uploads" not in rows["hybrid"].parts_ms
+        assert rows["hybrid"].cpu_experts <= rows["stock"].cpu_experts
+
+
+def test_hybrid_admission_keeps_to_its_upload_budget_and_only_evicts_for_a_payback():
+    steps = policies.layer_steps(synth.generate("glm-chat-shift", 0, n_tokens=600).ids, 0)
+    for per_step in (0.1, 0.5, 2.0):
+        s = policies.hybrid_admission(steps, 32, per_step, payback_uses=2)
+        assert s.uploads <= per_step * len(steps) + 1
+        assert s.hits + s.misses == s.lookups and s.evictions <= s.uploads
+    # an upload that never pays back fills the empty slots and then never evicts
+    s = policies.hybrid_admission(steps, 32, 10.0, payback_uses=10**6)
+    assert s.uploads == 32 and s.evictions == 0
+    # a tighter budget defers admissions that would pay
+    assert policies.hybrid_admission(steps, 32, 0.05, payback_uses=1).deferred > 0
+
+
+def test_the_merged_caches_global_lru_shares_its_slots_between_layers():
+    trace = synth.generate("qwen3-30b-a3b", 0, n_tokens=300)
+    layers = [policies.layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+    # one layer: the same as a per-layer LRU
+    assert policies.global_lru(layers[:1], 24).misses == policies.lru(layers[0], 24).misses
+    # room for everything: only first uses miss
+    everything = policies.global_lru(layers, len(layers) * trace.n_expert)
+    assert everything.misses == sum(len({e for step in steps for e in step}) for steps in layers)
+    assert everything.evictions == 0
+    # a shared budget lets a busy layer take slots from a quiet one
+    shared = policies.global_lru(layers, 24 * len(layers))
+    assert shared.lookups == sum(policies.lru(steps, 24).lookups for steps in layers)
+
+
+def test_geometry_from_a_gguf_header(qwen3_model):
+    prof = P.PROFILES["rtx3090-pcie4"]
+    g = P.geometry_from_gguf(qwen3_model, prof)
+    per_layer = expert_bytes_from_gguf(qwen3_model)
+    assert g.n_host_layers == len(per_layer) and (g.n_expert, g.top_k) == (16, 4)
+    assert g.expert_bytes == max(sum(p.values()) for p in per_layer.values()) and g.n_expert_tensors == 3
+    assert g.dense_ms > 0
+    with pytest.raises(PyllamapoolError, match=f"the model has {len(per_layer)} MoE layers"):
+        P.geometry_from_gguf(qwen3_model, prof, n_host_layers=len(per_layer) + 1)
+
+
+def test_a_measured_stock_speed_calibrates_the_device_time(qwen3_model, routing):
+    prof = P.PROFILES["rtx3090-pcie4"]
+    g = P.geometry_from_gguf(qwen3_model, prof, stock_tps=250.0)
+    r = P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=100, n_expert=g.n_expert, top_k=g.top_k)
+    assert by_mode(P.predict(g, prof, r, 4))["stock"].tokens_per_s == pytest.approx(250.0)
+    with pytest.raises(PyllamapoolError, match="exceeds that token time"):
+        P.geometry_from_gguf(qwen3_model, replace(prof, host_expert_gb_s=1e-6), stock_tps=250.0)
+
+
+def test_bad_inputs_name_the_value_and_what_is_accepted(routing):
+    prof = P.PROFILES["rtx3090-pcie4"]
+    with pytest.raises(PyllamapoolError, match="unknown mode turbo; modes: stock, copy"):
+        P.predict(GEOMETRY, prof, routing, 8, modes=("turbo",))
+    with pytest.raises(PyllamapoolError, match="upload fraction 0: accepted is 0 < f <= 1"):
+        P.predict(GEOMETRY, prof, routing, 8, upload_frac=0)
+    with pytest.raises(PyllamapoolError, match="pcie_gb_s must be > 0"):
+        replace(prof, pcie_gb_s=0)
+    with pytest.raises(PyllamapoolError, match="built-in are mi50-pcie3"):
+        P.parse_profile("gtx480")
+
+
+def test_a_gpu_check_report_is_a_profile():
+    prof = P.HardwareProfile.from_gpu_check(ROOT / "benchmarks" / "results" / "gpu-check-h200-small.json")
+    report = json.loads((ROOT / "benchmarks" / "results" / "gpu-check-h200-small.json").read_text())
+    assert prof.pcie_gb_s == report["upload"]["pinned_gb_s"]
+    assert prof.pageable_gb_s == report["upload"]["pageable_gb_s"]
+    assert prof.copy_latency_us == report["upload"]["copy_latency_us_64k"]
+    # the host's cost per expert of the check's model, as a throughput
+    expert_bytes = 3 * (1024 * 256 // 256 * 144)  # Q4_K: 144 bytes per 256 weights
+    assert prof.host_expert_gb_s == pytest.approx(expert_bytes / (report["host_expert_ms"] * 1e-3) / 1e9)
+
+
+def test_the_single_workload_qwen_preset_matches_its_published_hit_rates():
+    for _, slots, published, synthetic in bench.lru_calibration(["qwen3.8-flash-next-hot"]):
+        assert abs(published - synthetic) < 0.05, (slots, published, synthetic)
+
+
+def test_validation_states_every_anchors_error_and_explains_each_miss_beyond_20_percent():
+    rows = P.validate()
+    assert {r.anchor for r in rows} == {a.name for a in P.ANCHORS}
+    for r in rows:
+        assert math.isfinite(r.error) and r.predicted_tps > 0
+        best = r.error if r.error_at_published_hits is None else r.error_at_published_hits
+        if abs(best) > 0.20:
+            assert len(r.note) > 40, r
+    # the measured figure lies within the model's reach at some hit rate, except where the note says not
+    for r in rows:
+        assert r.hit_rate_needed is not None or "out of the model's reach" in r.note, r
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyllamapool", "predict", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_command_prints_every_mode_per_slot_count(qwen3_model):
+    result = run_cli(str(qwen3_model), "--profile", "rtx3090-pcie4", "-mec", "4,8")
+    assert result.returncode == 0, result.stderr
+    for mode in ("stock", "copy", "hybrid", "merged-lru"):
+        assert mode in result.stdout
+    out = json.loads(run_cli(str(qwen3_model), "-mec", "4,8", "--json").stdout)
+    assert out["schema"] == "pyllamapool.predict/1"
+    assert [(r["mode"], r["slots"]) for r in out["rows"]][:4] == [("stock", 4), ("copy", 4), ("hybrid", 4),
+                                                                 ("merged-lru", 4)]
+    assert len(out["rows"]) == 7
+
+
+def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):
+    result = run_cli("--validate")
+    assert result.returncode == 0 and all(a.name in result.stdout for a in P.ANCHORS)
+    bad = run_cli(str(qwen3_model), "--profile", "gtx480")
+    assert bad.returncode != 0 and "built-in are" in bad.stderr
+    assert "needs a model" in run_cli().stderr
+
+
+def test_measure_host_times_the_cpus_expert_matmul():
+    from pyllamapool.measure import measure_host
+
+    small = measure_host("Q4_K", 256, 256, threads=1, working_set_mib=16, seconds=0.2)
+    assert small.expert_bytes == 3 * (256 * 256 // 256 * 144)
+    assert small.ms_per_expert > 0 and small.gb_per_s == pytest.approx(
+        small.expert_bytes / (small.ms_per_expert * 1e-3) / 1e9)
+    with pytest.raises(PyllamapoolError, match="unknown expert type 'Q9_K'"):
+        measure_host("Q9_K")
+    with pytest.raises(PyllamapoolError, match="needs a multiple of 256"):
+        measure_host("Q4_K", 200, 256)
+
+
+def test_the_readme_shows_the_validation_and_the_predicted_modes_as_computed():
+    readme = (ROOT / "README.md").read_text()
+    assert P.validation_markdown() in readme
+    assert P.readme_table() in readme
