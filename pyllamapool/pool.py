@@ -25,6 +25,8 @@ POLICY_KINDS = {"adaptive": 1, "lru": 0}
 DEFAULT_POLICY = "adaptive"
 #: the admission gate by its C API code (enum llama_moe_pool_gate)
 GATES = {"off": 0, "yield": 1}
+#: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
+MODES = {"copy": 0, "hybrid": 1}
 
 
 def _code(what: str, value: str | int, codes: dict[str, int]) -> int:
@@ -45,6 +47,11 @@ def gate_code(gate: str | int) -> int:
     return _code("gate", gate, GATES)
 
 
+def mode_code(mode: str | int) -> int:
+    """The C API code of a pool mode given by name or code."""
+    return _code("mode", mode, MODES)
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
@@ -55,6 +62,9 @@ class PoolConfig:
     policy: which expert a miss evicts: "adaptive" (the default) or "lru".
     gate: "off" (the default) or "yield": a layer whose full pool copies in more experts than it serves
         runs the stock path (CPU experts) for a cool-down; those steps are not device-computed.
+    mode: "copy" (the default: a miss is copied to a slot before the layer's matmul) or "hybrid"
+        (the device computes the experts it holds while the CPU computes the misses, which are
+        uploaded after the CPU served them).
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -64,6 +74,7 @@ class PoolConfig:
     speculative: bool = False
     policy: str | None = None
     gate: str | None = None
+    mode: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -93,6 +104,8 @@ class PoolConfig:
             policy_kind(self.policy)
         if self.gate is not None:
             gate_code(self.gate)
+        if self.mode is not None:
+            mode_code(self.mode)
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -123,6 +136,8 @@ class PoolConfig:
             params.policy = policy_kind(self.policy)
         if self.gate is not None:
             params.gate = gate_code(self.gate)
+        if self.mode is not None:
+            params.mode = mode_code(self.mode)
         keep.append(params)
         return params
 
@@ -148,6 +163,7 @@ class PoolStatus:
     total_slots: int
     policy: str = DEFAULT_POLICY
     gate: str = "off"
+    mode: str = "copy"
 
 
 @dataclass(frozen=True)
@@ -213,7 +229,8 @@ def _status_from_c(ffi, s) -> PoolStatus:
         profile=ffi.string(s.profile).decode() if s.profile else "none", slots_min=s.slots_min,
         slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots,
         policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
-        gate=ffi.string(s.gate).decode() if s.gate else "off")
+        gate=ffi.string(s.gate).decode() if s.gate else "off",
+        mode=ffi.string(s.mode).decode() if s.mode else "copy")
 
 
 def _counters_from_c(c) -> PoolCounters:

@@ -16,6 +16,18 @@ def test_ctest_expert_pool_passes():
     assert "100% tests passed out of 1" in result.stdout
 
 
+def test_ctest_masked_mul_mat_id_passes_on_plain_and_repacked_cpu_buffers():
+    """ggml-cpu's MUL_MAT_ID skips negative ids (hybrid mode's CPU side): kept rows bit for bit as
+    without the mask, skipped rows zero, on the plain CPU buffer and on every type this CPU repacks."""
+    build = ROOT / "build" / "cpu"
+    result = subprocess.run(["ctest", "--test-dir", str(build), "-R", "^test-mul-mat-id-masked$", "-V"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    ok = [l for l in result.stdout.splitlines() if l.rstrip().endswith("values)") and ": ok (" in l]
+    assert any(" CPU " in l and "q4_K" in l for l in ok) and len(ok) >= 12, result.stdout[-3000:]
+    assert "FAIL (" not in result.stdout
+
+
 def test_upstream_test_llama_archs_still_passes():
     """The series touches llama-graph (build_moe_ffn, build_lora_mm_id) and llama-context: every
     architecture's random model must still build and run (pool off, the default)."""

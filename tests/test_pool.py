@@ -372,7 +372,7 @@ def test_a_draft_context_gets_no_pool_and_the_target_keeps_its_own(qwen3_model, 
 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
                                        ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru"),
-                                       ("LLAMA_MOE_POOL_GATE", "on")])
+                                       ("LLAMA_MOE_POOL_GATE", "on"), ("LLAMA_MOE_POOL_MODE", "turbo")])
 def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model, rpc_server, monkeypatch, caplog,
                                                                       var, value):
     monkeypatch.setenv(var, value)
@@ -383,6 +383,8 @@ def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model
         assert "expected lru or adaptive" in caplog.text
     if var == "LLAMA_MOE_POOL_GATE":
         assert "expected off or yield" in caplog.text
+    if var == "LLAMA_MOE_POOL_MODE":
+        assert "LLAMA_MOE_POOL_MODE=turbo is not a mode: expected copy or hybrid" in caplog.text
 
 
 def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch):
@@ -752,3 +754,91 @@ def test_where_the_pool_pays_the_gate_never_closes_and_parity_holds(qwen3_model,
     assert on.hits > on.misses and on.gate_closures == 0 and on.gated_steps == 0
     assert (on.hits, on.misses, on.copy_bytes) == (off.hits, off.misses, off.copy_bytes)
     assert all(np.array_equal(a, b) for a, b in zip(ref, got)) and len(ref) == len(got) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# hybrid mode: the device computes the experts its slots hold, the CPU the misses
+
+
+def stock_cpu_moe_run(model_path, rpc_server, stream):
+    """Stock --cpu-moe: every routed expert computed by the CPU from the host weights."""
+    model = Model(model_path, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    ref, *_ = decode(model, stream)
+    model.close()
+    return ref
+
+
+def test_hybrid_decode_is_bit_identical_to_stock_and_to_all_resident(arch_model, rpc_server, stream,
+                                                                      resident_reference):
+    """On the testbed both sides run ggml-cpu kernels: whichever side computes an expert, its output
+    is the same bits, so hybrid equals the all-resident run and stock --cpu-moe at any slot count."""
+    stock = stock_cpu_moe_run(arch_model, rpc_server, stream)
+    assert identical(stock, resident_reference)
+    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    for slots in (4, 6, 8, 16):
+        result, report, status, lines = decode(model, stream, PoolConfig(slots=slots, device_mib=65536, mode="hybrid"))
+        assert status.enabled and status.mode == "hybrid"
+        assert any("mode=hybrid" in l for l in lines if l.startswith("expert pool status="))
+        assert identical(result, resident_reference), f"{slots} slots changed the logits"
+        c = report.counters
+        # the CPU computed the misses, the device the hits; misses were admitted after serving
+        assert c.hits + c.misses == c.lookups and c.hits > 0 and c.misses > 0
+        assert (c.evictions > 0) == (slots < SPEC.n_expert)
+        assert c.steps > 0
+    model.close()
+
+
+def test_hybrid_keeps_two_sequences_per_batch_bit_identical(qwen3_model, rpc_server, stream):
+    ref, got, counters = sequences_against_resident(qwen3_model, rpc_server,
+                                                    PoolConfig(slots=8, device_mib=65536, mode="hybrid"),
+                                                    [stream[:36], stream[36:72]], n_prompt=4)
+    assert counters.steps >= 32 and counters.evictions > 0 and counters.hits > 0
+    assert len(got) == len(ref) == 32
+    for (ra, rb), (ga, gb) in zip(ref, got):
+        assert np.array_equal(ra, ga) and np.array_equal(rb, gb)
+
+
+def test_hybrid_serves_a_miss_on_the_cpu_before_its_upload(qwen3_model, rpc_server, stream):
+    """Copy mode and hybrid mode admit the same experts (the same policy sees the same steps), so
+    they count the same hits and misses; hybrid serves each miss on the CPU in its step."""
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    _, copy_report, _, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="copy"))
+    _, hyb_report, status, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid"))
+    model.close()
+    assert status.mode == "hybrid"
+    a, b = copy_report.counters, hyb_report.counters
+    assert (a.lookups, a.hits, a.misses, a.evictions, a.copy_bytes) == (b.lookups, b.hits, b.misses, b.evictions,
+                                                                      b.copy_bytes)
+
+
+def test_the_pool_mode_is_copy_by_default_and_hybrid_comes_from_the_config_or_the_environment(
+        qwen3_model, rpc_server, monkeypatch):
+    statuses, lines, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536))
+    assert statuses[0].mode == "copy" and "mode=copy" in lines[0]
+    statuses, lines, *_ = pool_status(qwen3_model, [rpc_server.endpoint],
+                                      PoolConfig(slots=8, device_mib=65536, mode="hybrid"))
+    assert statuses[0].mode == "hybrid" and "mode=hybrid" in lines[0]
+    monkeypatch.setenv("LLAMA_MOE_POOL_MODE", "hybrid")
+    statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536))
+    assert statuses[0].mode == "hybrid"
+    with pytest.raises(PoolConfigError, match="mode 'fast' is unknown: expected one of copy, hybrid"):
+        PoolConfig(slots=8, mode="fast").validate()
+
+
+def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses(qwen3_model, rpc_server, stream):
+    """The CPU side's ids, seen in the graph: an entry the device's slots hold is skipped (-1), every
+    other one is computed on the CPU, and those are exactly the pool's misses."""
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    seen: list[np.ndarray] = []
+    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"),
+                  observe=lambda n: n.startswith("ffn_moe_hybrid_cpu_ids"), observer=lambda n, a: seen.append(a.copy()))
+    run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:40])
+    report = ctx.pool_report(per_pool=True)
+    ctx.close()
+    model.close()
+    c = report.counters
+    per_layer = len(report.pools) // SPEC.n_layer  # gate, up and down count each lookup
+    ids = np.concatenate([a.ravel() for a in seen])
+    assert len(seen) == c.steps * SPEC.n_layer  # one table lookup per pooled layer and step
+    assert (ids >= 0).sum() * per_layer == c.misses > 0
+    assert (ids < 0).sum() * per_layer == c.hits > 0
