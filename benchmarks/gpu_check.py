@@ -17,8 +17,7 @@ JSON file (schema pyllamapool.gpu-check/1) and prints a table.
     python benchmarks/gpu_check.py run --testbed --geometry tiny      # CPU-only: the loopback RPC device
 
 The testbed mode runs the same code on the RPC device (CI runs it, so the script is never untested);
-its timings are loopback and shared cores, not a GPU. Hybrid mode is not in this series yet: only stock
-and copy are measured.
+its timings are loopback and shared cores, not a GPU. Copy and hybrid mode are measured at each -mec.
 """
 from __future__ import annotations
 
@@ -122,7 +121,8 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
     return {"mode": label, "card_mib": card_mib, "slots": run.config.slot_list[0] if run.config.slots else 0,
             "status": "enabled" if s.enabled else "disabled", "reason": s.reason, "actual_slots": s.actual_slots,
             "limited_by": s.limited_by, "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": c.hit_rate,
-            "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions}
+            "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions,
+            "cpu_experts": c.cpu_experts, "deferred": c.deferred, "syncs_per_token": c.syncs_per_token}
 
 
 def parity(args) -> dict:
@@ -233,10 +233,11 @@ def run(args) -> int:
             rows.append(decode_row("stock", stock, n, None))
             for card in args.card_mib:
                 for mec in args.mec:
-                    pooled = teacher_run(offloaded, stream, PoolConfig(slots=mec, device_mib=card))
-                    rows.append(decode_row("copy", pooled, n, card))
-                    console.print(f"  card {card} MiB -mec {mec}: {rows[-1]['decode_tps']:.1f} t/s, "
-                                  f"{rows[-1]['status']} ({rows[-1]['limited_by']})")
+                    for mode in ("copy", "hybrid"):
+                        pooled = teacher_run(offloaded, stream, PoolConfig(slots=mec, device_mib=card, mode=mode))
+                        rows.append(decode_row(mode, pooled, n, card))
+                        console.print(f"  card {card} MiB -mec {mec} {mode}: {rows[-1]['decode_tps']:.1f} t/s, "
+                                      f"{rows[-1]['status']} ({rows[-1]['limited_by']})")
         # every expert on the device, when the device holds them: the bound, and the host's cost per
         # CPU-computed expert (stock time minus resident time, per expert computation)
         resident_tps = None

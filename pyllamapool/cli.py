@@ -111,13 +111,18 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
         p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
         p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
         p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")
-    from .pool import GATES, POLICY_KINDS
+    from .pool import GATES, MODES, POLICY_KINDS
     several = " (comma-separated values are swept)" if sweepable else ""
     p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
                    help=f"slot policy: adaptive (default) or lru{several}")
     p.add_argument("--gate", type=_choices("gate", list(GATES)), default=(None,),
                    help="admission gate: off (default) or yield, where a layer whose pool copies more than it "
                         f"serves runs the stock path for a while{several}")
+    p.add_argument("--mode", "--moe-pool-mode", dest="mode", type=_choices("mode", list(MODES)), default=(None,),
+                   help="copy (default: a miss is copied to a slot before the matmul) or hybrid (the device computes "
+                        f"the experts it holds, the CPU the misses){several}")
+    p.add_argument("--upload-frac", type=float,
+                   help="hybrid mode's upload budget: share of a token's time (default 0.25; 0 = no budget)")
     p.add_argument("--device-mib", type=_mib_list,
                    help="treat the device(s) as this big (MiB; N or N0,N1,...)")
 
@@ -131,10 +136,11 @@ def _device_mib(args):
 def _pool_config(args):
     from .pool import PoolConfig
     slots = args.slots[0] if len(args.slots) == 1 else args.slots
-    if len(args.policy) > 1 or len(args.gate) > 1:
-        raise PyllamapoolError("--policy and --gate take one value here (lists are for `sweep`)")
+    if len(args.policy) > 1 or len(args.gate) > 1 or len(args.mode) > 1:
+        raise PyllamapoolError("--policy, --gate and --mode take one value here (lists are for `sweep`)")
     return PoolConfig(slots=slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib, device_mib=_device_mib(args),
-                      profile=args.profile, policy=args.policy[0], gate=args.gate[0])
+                      profile=args.profile, policy=args.policy[0], gate=args.gate[0], mode=args.mode[0],
+                      upload_frac=args.upload_frac)
 
 
 def _offload(args, **over):
@@ -269,7 +275,7 @@ def cmd_sweep(args) -> int:
 
     grid = SweepGrid(slots=args.slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib,
                      profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args),
-                     policy=args.policy, gate=args.gate)
+                     policy=args.policy, gate=args.gate, mode=args.mode, upload_frac=args.upload_frac)
     spec = spec_of(args.model)
     stream = token_stream(spec, StreamSpec(n_tokens=args.n_tokens + 8, seed=args.seed))
     offload = _offload(args, n_ctx=max(args.n_ctx, args.n_tokens + 16))

@@ -403,6 +403,12 @@ class Context:
     def pool_reset(self) -> None:
         pool_api.reset_counters(self.handle)
 
+    def host_syncs(self) -> int:
+        """Times the host waited for a device during the last decode, pool or not (compare a
+        pooled run with stock --n-cpu-moe)."""
+        _, lib = backend()
+        return int(lib.llama_moe_pool_host_syncs(self.handle))
+
     def pool_report(self, per_pool: bool = False) -> "PoolReport":
         return pool_api.report(self.handle, per_pool)
 

@@ -65,6 +65,8 @@ class PoolConfig:
     mode: "copy" (the default: a miss is copied to a slot before the layer's matmul) or "hybrid"
         (the device computes the experts it holds while the CPU computes the misses, which are
         uploaded after the CPU served them).
+    upload_frac: hybrid mode's upload budget, the share of a token's measured time uploads may take
+        (default 0.25, LLAMA_MOE_POOL_UPLOAD_FRAC); 0 = no budget.
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -75,6 +77,7 @@ class PoolConfig:
     policy: str | None = None
     gate: str | None = None
     mode: str | None = None
+    upload_frac: float | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -106,6 +109,9 @@ class PoolConfig:
             gate_code(self.gate)
         if self.mode is not None:
             mode_code(self.mode)
+        if self.upload_frac is not None and not (isinstance(self.upload_frac, (int, float))
+                                                 and 0 <= self.upload_frac <= 1):
+            raise PoolConfigError(f"upload_frac={self.upload_frac!r} is invalid: expected 0 (no budget) to 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -138,6 +144,8 @@ class PoolConfig:
             params.gate = gate_code(self.gate)
         if self.mode is not None:
             params.mode = mode_code(self.mode)
+        if self.upload_frac is not None:
+            params.upload_frac = float(self.upload_frac)
         keep.append(params)
         return params
 
@@ -177,13 +185,23 @@ class PoolCounters:
     bypassed_steps: int = 0
     gated_steps: int = 0     # steps (per pool, as lookups) the closed gate sent to the stock path
     gate_closures: int = 0
+    device_experts: int = 0  # expert computations on the device (copy mode: every lookup)
+    cpu_experts: int = 0     # hybrid mode: expert computations on the CPU (the misses)
+    uploads: int = 0         # experts uploaded into slots (copy_bytes are their bytes)
+    deferred: int = 0        # hybrid mode: admitted experts whose upload waited for the budget
+    syncs: int = 0           # times the host waited for a device in the steps that used the pool
+    tokens: int = 0          # tokens of those steps
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
+    @property
+    def syncs_per_token(self) -> float:
+        return self.syncs / self.tokens if self.tokens else 0.0
+
     def to_json(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "syncs_per_token": self.syncs_per_token}
 
 
 @dataclass(frozen=True)
@@ -235,7 +253,8 @@ def _status_from_c(ffi, s) -> PoolStatus:
 
 def _counters_from_c(c) -> PoolCounters:
     return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
-                        c.gated_steps, c.gate_closures)
+                        c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
+                        c.syncs, c.tokens)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

@@ -49,6 +49,11 @@ SWEEP_SCHEMA = {
                 "profile": {"type": ["string", "null"]},
                 "policy": {"enum": ["adaptive", "lru"]},
                 "gate": {"enum": ["off", "yield"]},
+                "mode": {"enum": ["copy", "hybrid"]},
+                "cpu_experts": {"type": "integer", "minimum": 0},
+                "uploads": {"type": "integer", "minimum": 0},
+                "deferred": {"type": "integer", "minimum": 0},
+                "syncs_per_token": {"type": "number", "minimum": 0},
                 "gated_steps": {"type": "integer", "minimum": 0},
                 "status": {"enum": ["enabled", "disabled"]},
                 "reason": {"type": "string"},
@@ -83,15 +88,17 @@ class SweepGrid:
     device_mib: int | tuple[int, ...] | None = None
     policy: Sequence[str | None] = (None,)
     gate: Sequence[str | None] = (None,)
+    mode: Sequence[str | None] = (None,)
+    upload_frac: float | None = None
 
     def configs(self) -> list[PoolConfig]:
         out = []
-        for slots, rail, cap, profile, policy, gate in itertools.product(
-                self.slots, self.rail_mib, self.cap_mib, self.profile, self.policy, self.gate):
-            if slots == 0 and (policy, gate) != (self.policy[0], self.gate[0]):
-                continue  # the pool is off: policy and gate change nothing
+        for slots, rail, cap, profile, policy, gate, mode in itertools.product(
+                self.slots, self.rail_mib, self.cap_mib, self.profile, self.policy, self.gate, self.mode):
+            if slots == 0 and (policy, gate, mode) != (self.policy[0], self.gate[0], self.mode[0]):
+                continue  # the pool is off: policy, gate and mode change nothing
             cfg = PoolConfig(slots=slots, rail_mib=rail, cap_mib=cap, device_mib=self.device_mib, profile=profile,
-                             policy=policy, gate=gate)
+                             policy=policy, gate=gate, mode=mode, upload_frac=self.upload_frac)
             cfg.validate()
             out.append(cfg)
         return out
@@ -138,7 +145,9 @@ def run_sweep(model: str | Path, offload: Offload, grid: SweepGrid, prompt: Sequ
             result.rows.append({
                 "slots": cfg.slot_list[0], "rail_mib": cfg.rail_mib, "cap_mib": cfg.cap_mib,
                 "profile": str(cfg.profile) if cfg.profile else None,
-                "policy": s.policy, "gate": s.gate, "gated_steps": c.gated_steps,
+                "policy": s.policy, "gate": s.gate, "gated_steps": c.gated_steps, "mode": s.mode,
+                "cpu_experts": c.cpu_experts, "uploads": c.uploads, "deferred": c.deferred,
+                "syncs_per_token": c.syncs_per_token,
                 "status": "enabled" if s.enabled else "disabled", "reason": s.reason,
                 "actual_slots": s.actual_slots, "limited_by": s.limited_by, "bytes": s.bytes,
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
@@ -164,7 +173,8 @@ def sweep_table(result: SweepResult, title: str = "expert pool sweep") -> Table:
         t = r["decode_tps"]
         limit = "off" if r["slots"] == 0 else (r["limited_by"] if r["status"] == "enabled" else r["reason"])
         table.add_row(
-            str(r["slots"]), "-" if r["slots"] == 0 else r["policy"] + ("+gate" if r["gate"] == "yield" else ""),
+            str(r["slots"]), "-" if r["slots"] == 0 else r["policy"] + ("+gate" if r["gate"] == "yield" else "")
+            + ("+hybrid" if r.get("mode") == "hybrid" else ""),
             limit, f"{r['bytes'] / 2**20:.1f}", f"{r['hit_rate']:.1%}" if r["lookups"] else "-",
             f"{r['copy_bytes_per_token'] / 1024:.0f}K", str(r["evictions"]), str(r["gated_steps"]),
             f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})", f"{t['median'] / base:.2f}x" if base else "-",

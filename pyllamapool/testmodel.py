@@ -275,6 +275,41 @@ def write_dense_model(path: Path, seed: int = 0, n_layer: int = 2, n_embd: int =
 _EXPERT_AXIS_TENSOR = re.compile(r"^blk\.\d+\.(ffn_\w+_exps\.\w+|ffn_gate_inp\.(weight|bias))$")
 
 
+def _copy_fields(reader, writer, arch: str, override: dict | None = None) -> None:
+    """Every key of `reader` into `writer` (the architecture is the writer's own), some overridden."""
+    import gguf
+
+    override = override or {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        is_array = field.types[0] == gguf.GGUFValueType.ARRAY
+        if is_array and len(field.types) == 1:
+            continue  # an empty array has no element type and cannot be written; absent reads the same
+        value = override[name] if name in override else field.contents()
+        sub_type = field.types[-1] if is_array else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+
+
+def without_tensors(src: str | Path, dst: str | Path, pattern: str) -> Path:
+    """Copy a GGUF without the tensors whose names match `pattern` (e.g. the optional per-expert
+    scales of a test-llama-archs model, to get the plain-weights variant of that architecture)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    _copy_fields(reader, writer, arch)
+    for tensor in reader.tensors:
+        if not re.search(pattern, tensor.name):
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
+
+
 def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0) -> Path:
     """Copy an F32 MoE GGUF (e.g. one of llama.cpp's test-llama-archs models, which have two experts)
     with n_expert experts: the existing experts are kept, the new ones are drawn with the spread of the
@@ -289,15 +324,7 @@ def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0
         raise PyllamapoolError(f"widen_experts: {src} has {old} experts; asked for {n_expert}, which is not more")
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(dst), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        is_array = field.types[0] == gguf.GGUFValueType.ARRAY
-        if is_array and len(field.types) == 1:
-            continue  # an empty array has no element type and cannot be written; absent reads the same
-        value = n_expert if name == f"{arch}.expert_count" else field.contents()
-        sub_type = field.types[-1] if is_array else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    _copy_fields(reader, writer, arch, {f"{arch}.expert_count": n_expert})
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         if _EXPERT_AXIS_TENSOR.match(tensor.name):

@@ -229,7 +229,9 @@ def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
     assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
     assert all(r["evictions"] > 0 for r in report["parity_by_type"])
     modes = [r["mode"] for r in report["rows"]]
-    assert modes[0] == "stock" and modes.count("copy") == 2 * 3 and modes[-1] == "resident"  # -mec 4, 8, 16
+    assert modes[0] == "stock" and modes.count("copy") == modes.count("hybrid") == 2 * 3  # -mec 4, 8, 16
+    assert modes[-1] == "resident"
+    assert any(r["cpu_experts"] > 0 for r in report["rows"] if r["mode"] == "hybrid")
     big = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 65536]
     assert all(r["status"] == "enabled" for r in big)
     copied = [r["copy_bytes_per_token"] for r in sorted(big, key=lambda r: r["slots"])]
@@ -238,3 +240,14 @@ def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
     assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in small)
     assert report["host_expert_ms"] >= 0
     assert "GPU check: RPC0" in result.stdout
+
+
+def test_the_readme_shows_hybrid_admission_against_copy_on_miss_as_computed():
+    readme = (ROOT / "README.md").read_text()
+    table = bench.hybrid_table()
+    assert table in readme
+    # hybrid never uploads more than copy-on-miss, and serves misses on the CPU instead
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        copy_mib, hybrid_mib, cpu = float(cells[2]), float(cells[3]), float(cells[4])
+        assert hybrid_mib <= copy_mib and cpu > 0

@@ -100,15 +100,16 @@ def logprobs(result: dict):
     return [[(p["id"], p["logprob"]) for p in step["top_logprobs"]] for step in result["completion_probabilities"]]
 
 
-def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_model, rpc_server, monkeypatch):
+@pytest.mark.parametrize("mode", ["copy", "hybrid"])
+def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_model, rpc_server, monkeypatch, mode):
     monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
     with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "-np", "2") as (port, _):
         reference = together(port, PROMPTS)
     with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "-np", "2", "--cpu-moe",
-                      "-mec", "8") as (port, lines):
+                      "-mec", "8", "--moe-pool-mode", mode) as (port, lines):
         pooled = together(port, PROMPTS)
     text = "".join(lines)
-    assert "expert pool status=enabled" in text and "limited_by=slots" in text
+    assert "expert pool status=enabled" in text and "limited_by=slots" in text and f"mode={mode}" in text
     assert "expert pool first-use=active" in text
     runtime = [l for l in lines if "expert pool runtime" in l]
     assert runtime and int(runtime[0].split("evictions=")[1].split()[0]) > 0
@@ -166,3 +167,24 @@ def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_ser
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in table[2:]]
     assert [r[header.index("mec")] for r in rows] == ["0", "8"]
     assert result.stderr.count("expert pool status=enabled") == 1  # -mec 0: no pool at all
+
+
+def test_llama_bench_sweeps_the_pool_mode_in_a_mode_column_kept_last_in_csv(qwen3_model, rpc_server):
+    argv = [str(tool_path("llama-bench")), "-m", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99",
+            "-ncmoe", "99", "-mec", "8", "--moe-pool-mode", "copy,hybrid", "-p", "0", "-n", "8", "-r", "1", "-t", "1"]
+    env = {**os.environ, "LLAMA_MOE_POOL_DEVICE_MIB": "65536"}
+    result = subprocess.run([*argv, "-o", "md", "-v"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = [l for l in result.stdout.splitlines() if l.startswith("|")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in table[2:]]
+    assert [r[header.index("mode")] for r in rows] == ["copy", "hybrid"]
+    assert "mode=copy" in result.stderr and "mode=hybrid" in result.stderr
+    # new columns go at the end of the CSV: existing readers keep their column positions
+    csv = subprocess.run([*argv, "-o", "csv"], capture_output=True, text=True, timeout=300, env=env)
+    assert csv.returncode == 0, csv.stderr[-2000:]
+    lines = csv.stdout.strip().splitlines()
+    assert lines[0].split(",")[-1].strip('"') == "moe_pool_mode"
+    assert [l.split(",")[-1].strip('"') for l in lines[1:]] == ["copy", "hybrid"]
+    bad = subprocess.run([*argv[:-2], "--moe-pool-mode", "turbo"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode != 0

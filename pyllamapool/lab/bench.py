@@ -207,3 +207,29 @@ def readme_tables(seeds: tuple[int, ...] = README_SEEDS) -> tuple[str, str]:
                     f"{max(x['excess_default'] for x in g) / 2**20:.1f} -> "
                     f"{max(x['excess_gated'] for x in g) / 2**20:.1f} |")
     return "\n".join(policy) + "\n", "\n".join(gate) + "\n"
+
+
+def hybrid_table(seed: int = 0, fraction: float = 0.25, upload_per_step: float = 1.0,
+                 payback_uses: float = 2.0) -> str:
+    """Hybrid admission against copy-on-miss (the product's default policy) on every preset at a
+    quarter of the experts as slots (Markdown): MiB uploaded and expert computations on the CPU per
+    token, over the preset's layers. Copy mode uploads every miss and computes nothing on the CPU;
+    hybrid serves misses on the CPU and uploads at most `upload_per_step` per layer and step, an
+    eviction only when the candidate's recent uses beat the victim's by `payback_uses`."""
+    from .policies import adaptive, hybrid_admission, layer_steps
+
+    lines = ["| preset | slots | copy: MiB up / token | hybrid: MiB up / token | hybrid: CPU experts / token | "
+             "hybrid: device hit rate |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, preset in PRESETS.items():
+        trace = generate(name, seed=seed)
+        slots = max(preset.top_k, int(round(fraction * preset.n_expert)))
+        layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+        copy = [adaptive(steps, slots, preset.n_expert) for steps in layers]
+        hyb = [hybrid_admission(steps, slots, upload_per_step, payback_uses) for steps in layers]
+        t = trace.n_tokens
+        mib = preset.bytes_per_slot / 2**20
+        lookups = sum(s.lookups for s in hyb)
+        lines.append(f"| {name} | {slots} | {sum(s.uploads for s in copy) * mib / t:.1f} | "
+                     f"{sum(s.uploads for s in hyb) * mib / t:.1f} | {sum(s.misses for s in hyb) / t:.1f} | "
+                     f"{sum(s.hits for s in hyb) / lookups:.1%} |")
+    return "\n".join(lines) + "\n"
