@@ -801,11 +801,12 @@ def test_hybrid_keeps_two_sequences_per_batch_bit_identical(qwen3_model, rpc_ser
 
 def test_without_a_budget_hybrid_admits_what_copy_mode_admits(qwen3_model, rpc_server, stream):
     """The same policy sees the same steps: an expert copy mode copies in before its matmul, hybrid
-    computes on the CPU and uploads after, so the counts agree; hybrid's misses are CPU work."""
+    computes on the CPU and uploads after, so the counts agree; hybrid's misses are CPU work. (A
+    one-token prompt: no prefill, so no warm start, which copy mode does not have.)"""
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
-    _, copy_report, _, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="copy"))
+    _, copy_report, _, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="copy"), n_prompt=1)
     _, hyb_report, status, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
-                                                               upload_frac=0))
+                                                               upload_frac=0), n_prompt=1)
     model.close()
     assert status.mode == "hybrid"
     a, b = copy_report.counters, hyb_report.counters
@@ -817,15 +818,16 @@ def test_without_a_budget_hybrid_admits_what_copy_mode_admits(qwen3_model, rpc_s
     assert (b.device_experts, b.cpu_experts, b.uploads, b.deferred) == (b.hits, b.misses, b.misses, 0)
 
 
-def test_the_upload_budget_defers_uploads_and_parity_holds(qwen3_model, rpc_server, stream, resident_reference_qwen3):
+def test_the_upload_budget_defers_uploads_and_parity_holds(qwen3_model, rpc_server, stream):
     """A budget of 1% of a token admits fewer uploads than misses: the rest wait (deferred) and
-    the CPU keeps computing them, bit-identically."""
+    the CPU keeps computing them, bit-identically. (A one-token prompt: no warm start.)"""
+    reference = resident_run(qwen3_model, rpc_server, stream, n_prompt=1)
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     result, report, status, lines = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
-                                                                    upload_frac=0.01))
+                                                                    upload_frac=0.01), n_prompt=1)
     model.close()
     c = report.counters
-    assert identical(result, resident_reference_qwen3)
+    assert identical(result, reference)
     assert c.deferred > 0 and 0 < c.uploads < c.misses
     assert c.cpu_experts == c.misses and c.device_experts == c.hits > 0
     runtime = next(l for l in lines if l.startswith("expert pool runtime"))
@@ -903,3 +905,19 @@ def test_hybrid_with_fused_gate_up_experts_is_bit_identical(archs_model, rpc_ser
     c = report.counters
     assert c.cpu_experts > 0 and c.device_experts > 0 and c.evictions > 0
     assert identical(result, ref)
+
+
+def test_hybrid_warm_starts_from_the_experts_the_prompt_selected(qwen3_model, rpc_server, stream):
+    """Prefill runs the stock path; hybrid mode notes the prompt's experts and uploads the most used
+    ones before the first decode token, so that token already finds experts on the device."""
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"))
+    ctx.decode(stream[:16])  # 16 rows x top-4 > 6 slots: the stock path
+    after_prefill = ctx.pool_counters()
+    ctx.decode([stream[16]])
+    first = ctx.pool_counters()
+    ctx.close()
+    model.close()
+    assert after_prefill.bypassed_steps == 1 and after_prefill.lookups == 0
+    assert after_prefill.uploads > 0  # the warm start
+    assert first.steps == 1 and first.device_experts > 0  # the first decode token hits
