@@ -159,6 +159,48 @@ class Geometry:
             raise PyllamapoolError(f"geometry {self.name}: dense_ms must be >= 0 (got {self.dense_ms})")
 
 
+@dataclass(frozen=True)
+class ExpertCosts:
+    """Per-expert and per-sync times (ms) of one geometry on one machine."""
+    cpu: float   # the CPU computes one expert
+    dev: float   # the device computes one expert
+    up: float    # one expert is uploaded (bandwidth + a latency per copied tensor)
+    sync: float  # the host waits for the device once
+
+
+def expert_costs(g: Geometry, p: HardwareProfile, pinned: bool = True) -> ExpertCosts:
+    link = p.pcie_gb_s if pinned else p.pageable_gb_s
+    return ExpertCosts(cpu=g.expert_bytes / p.host_expert_gb_s * 1e-6, dev=g.expert_bytes / p.device_gb_s * 1e-6,
+                       up=g.expert_bytes / link * 1e-6 + g.n_expert_tensors * p.copy_latency_us / 1000,
+                       sync=p.sync_us / 1000)
+
+
+def _parts_at_hit_rate(g: Geometry, c: ExpertCosts, mode: str, hit: float, k: float) -> dict[str, float]:
+    """Where a token's time goes in stock, copy or hybrid mode at a hit rate (k experts per layer)."""
+    L = g.n_host_layers
+    if mode == "stock":
+        return {"device": g.dense_ms, "cpu_experts": L * k * c.cpu, "syncs": L * c.sync}
+    if mode == "copy":
+        return {"device": g.dense_ms, "device_experts": L * k * c.dev, "uploads": L * k * (1 - hit) * c.up,
+                "syncs": L * c.sync}
+    if mode == "hybrid":  # the slower side of each layer; uploads are off the critical path
+        return {"device": g.dense_ms, "experts_overlapped": L * max(k * hit * c.dev, k * (1 - hit) * c.cpu),
+                "syncs": L * c.sync}
+    raise PyllamapoolError(f"no closed form for mode {mode!r}")
+
+
+def dense_ms_from_stock(stock_tps: float, n_host_layers: int, top_k: int, c: ExpertCosts) -> float:
+    """The device's own time per token that makes the model's stock time equal a measured one."""
+    stock_ms = 1000.0 / stock_tps
+    cpu = n_host_layers * top_k * c.cpu
+    dense = stock_ms - cpu - n_host_layers * c.sync
+    if dense <= 0:
+        raise PyllamapoolError(f"stock {stock_tps} t/s: the profile's CPU time for the host experts alone "
+                               f"({cpu:.1f} ms) exceeds that token time ({stock_ms:.1f} ms): the profile's "
+                               "host_expert_gb_s is too low for this machine")
+    return dense
+
+
 #: device time per transformer block beyond its bytes (kernel launches, small ops), a decode estimate
 BLOCK_OVERHEAD_MS = 0.1
 
@@ -200,17 +242,11 @@ def geometry_from_gguf(path: str | Path, profile: HardwareProfile, n_host_layers
         on_host = sum(sizes[layer] * n_expert for layer in host)
         device_bytes = total - on_host
         dense_ms = device_bytes / profile.device_gb_s * 1e-6 + value("block_count") * BLOCK_OVERHEAD_MS
-        if stock_tps is not None:
-            stock_ms = 1000.0 / stock_tps
-            cpu = layers * top_k * expert_bytes / profile.host_expert_gb_s * 1e-6
-            dense_ms = stock_ms - cpu - layers * profile.sync_us / 1000
-            if dense_ms <= 0:
-                raise PyllamapoolError(
-                    f"--stock-tps {stock_tps}: the profile's CPU time for the host experts alone "
-                    f"({cpu:.1f} ms) exceeds that token time ({stock_ms:.1f} ms): the profile's "
-                    "host_expert_gb_s is too low for this machine")
-    return Geometry(name=Path(path).name, n_host_layers=layers, n_expert=n_expert, top_k=top_k,
-                    expert_bytes=expert_bytes, dense_ms=dense_ms, n_expert_tensors=n_tensors)
+    g = Geometry(name=Path(path).name, n_host_layers=layers, n_expert=n_expert, top_k=top_k,
+                 expert_bytes=expert_bytes, dense_ms=dense_ms, n_expert_tensors=n_tensors)
+    if stock_tps is not None:
+        g = replace(g, dense_ms=dense_ms_from_stock(stock_tps, layers, top_k, expert_costs(g, profile)))
+    return g
 
 
 @dataclass
@@ -271,12 +307,7 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
         raise PyllamapoolError(f"unknown mode {', '.join(bad)}; modes: {', '.join(MODES)}")
     g, p = geometry, profile
     L, k = g.n_host_layers, routing.lookups_per_layer_step()
-    ms = 1e-6  # bytes / (GB/s) in ms
-    cpu_e = g.expert_bytes / p.host_expert_gb_s * ms
-    dev_e = g.expert_bytes / p.device_gb_s * ms
-    link = p.pcie_gb_s if pinned else p.pageable_gb_s
-    up_e = g.expert_bytes / link * ms + g.n_expert_tensors * p.copy_latency_us / 1000
-    sync = p.sync_us / 1000
+    c = expert_costs(g, p, pinned)
     n_slots = min(slots, g.n_expert)
     out: list[ModePrediction] = []
 
@@ -285,19 +316,14 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
         out.append(ModePrediction(mode, slots, total, 1000.0 / total if total else math.inf, hit,
                                   {key: round(v, 3) for key, v in parts.items()}, cpu, up_bytes / MIB))
 
-    stock_parts = {"device": g.dense_ms, "cpu_experts": L * k * cpu_e, "syncs": L * sync}
-    stock_ms = sum(stock_parts.values())
+    stock_parts = _parts_at_hit_rate(g, c, "stock", 0.0, k)
     for mode in modes:
-        if mode == "stock":
-            row("stock", 0.0, stock_parts, L * k, 0.0)
-        elif n_slots == 0 or L == 0:
+        if mode == "stock" or n_slots == 0 or L == 0:
             row(mode, 0.0, stock_parts, L * k, 0.0)  # no pool: the stock path
         elif mode == "copy":
             hit = hit_rate if hit_rate is not None else _rate(
                 [policies.adaptive(steps, n_slots, routing.n_expert) for steps in routing.layers])[0]
-            misses = L * k * (1 - hit)
-            row("copy", hit, {"device": g.dense_ms, "device_experts": L * k * dev_e,
-                              "uploads": misses * up_e, "syncs": L * sync}, 0.0, misses * g.expert_bytes)
+            row("copy", hit, _parts_at_hit_rate(g, c, "copy", hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
         elif mode == "merged-lru":
             if hit_rate is not None:
                 hit = hit_rate
@@ -306,19 +332,19 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             misses = L * k * (1 - hit)
             # one merged copy per tensor for a layer with any miss; P(no miss in a layer) ~ hit^k
             merged_copies = L * (1 - hit ** k) * g.n_expert_tensors
-            uploads = misses * g.expert_bytes / link * ms + merged_copies * p.copy_latency_us / 1000
-            row("merged-lru", hit, {"device": g.dense_ms, "device_experts": L * k * dev_e,
-                                    "uploads": uploads, "syncs": L * sync}, 0.0, misses * g.expert_bytes)
+            link = p.pcie_gb_s if pinned else p.pageable_gb_s
+            uploads = misses * g.expert_bytes / link * 1e-6 + merged_copies * p.copy_latency_us / 1000
+            row("merged-lru", hit, {"device": g.dense_ms, "device_experts": L * k * c.dev,
+                                    "uploads": uploads, "syncs": L * c.sync}, 0.0, misses * g.expert_bytes)
         elif mode == "hybrid":
             # the budget: uploads that fit in upload_frac of a token (the stock token bounds it:
             # hybrid is never slower than stock), spread over the layers' steps
-            per_step = upload_frac * stock_ms / up_e / max(1, L)
-            payback = max(1.0, up_e / cpu_e)
+            per_step = upload_frac * sum(stock_parts.values()) / c.up / max(1, L)
+            payback = max(1.0, c.up / c.cpu)
             stats = [policies.hybrid_admission(steps, n_slots, per_step, payback) for steps in routing.layers]
-            hit, miss, uploaded = _rate(stats)
-            per_layer = max(k * hit * dev_e, k * miss * cpu_e)
-            row("hybrid", hit, {"device": g.dense_ms, "experts_overlapped": L * per_layer, "syncs": L * sync},
-                L * k * miss, L * k * uploaded * g.expert_bytes)
+            hit, _, uploaded = _rate(stats)
+            row("hybrid", hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
+                L * k * uploaded * g.expert_bytes)
     return out
 
 
@@ -346,16 +372,14 @@ def _calibrated(anchor: Anchor) -> Geometry:
     """dense_ms such that the model's stock time equals the anchor's measured stock time. Layers
     that stock kept on the device (experts and all) count in its dense time; in the pool run their
     experts are the pool's, so their device expert time leaves dense_ms."""
-    p = PROFILES[anchor.profile]
     g = anchor.geometry
+    c = expert_costs(g, PROFILES[anchor.profile])
     stock_layers = g.n_host_layers if anchor.stock_host_layers is None else anchor.stock_host_layers
-    stock_ms = 1000.0 / anchor.stock_tps
-    cpu = stock_layers * g.top_k * g.expert_bytes / p.host_expert_gb_s * 1e-6
-    dense = stock_ms - cpu - stock_layers * p.sync_us / 1000
-    dense -= (g.n_host_layers - stock_layers) * g.top_k * g.expert_bytes / p.device_gb_s * 1e-6
-    if dense <= 0:
-        raise PyllamapoolError(f"anchor {anchor.name}: the profile's CPU time alone ({cpu:.1f} ms) exceeds "
-                               f"the measured stock token ({stock_ms:.1f} ms)")
+    try:
+        dense = dense_ms_from_stock(anchor.stock_tps, stock_layers, g.top_k, c)
+    except PyllamapoolError as e:
+        raise PyllamapoolError(f"anchor {anchor.name}: {e}") from None
+    dense -= (g.n_host_layers - stock_layers) * g.top_k * c.dev
     return replace(g, dense_ms=dense)
 
 
@@ -412,18 +436,7 @@ class ValidationRow:
 
 def _tps_at_hit_rate(g: Geometry, p: HardwareProfile, mode: str, hit: float, pinned: bool) -> float:
     """The mode's t/s at a given hit rate, without replay."""
-    L, k = g.n_host_layers, g.top_k
-    dev_e = g.expert_bytes / p.device_gb_s * 1e-6
-    cpu_e = g.expert_bytes / p.host_expert_gb_s * 1e-6
-    link = p.pcie_gb_s if pinned else p.pageable_gb_s
-    up_e = g.expert_bytes / link * 1e-6 + g.n_expert_tensors * p.copy_latency_us / 1000
-    if mode == "stock":
-        experts = L * k * cpu_e
-    elif mode == "hybrid":
-        experts = L * max(k * hit * dev_e, k * (1 - hit) * cpu_e)
-    else:
-        experts = L * k * dev_e + L * k * (1 - hit) * up_e
-    return 1000.0 / (g.dense_ms + experts + L * p.sync_us / 1000)
+    return 1000.0 / sum(_parts_at_hit_rate(g, expert_costs(g, p, pinned), mode, hit, g.top_k).values())
 
 
 def _hit_rate_needed(g: Geometry, p: HardwareProfile, mode: str, tps: float, pinned: bool) -> float | None:

@@ -235,31 +235,10 @@ def recency(steps: Steps, n_slots: int, n_expert: int | None = None,
 def global_lru(layers: Sequence[Steps], n_slots_total: int) -> PolicyStats:
     """A copy-on-miss cache shaped like llama.cpp's merged one (`--moe-cache-mib`): one LRU over
     (layer, expert) for all layers that share a device, so the budget moves between layers by
-    itself. Layers run in order within a token; a step's experts must all be resident."""
-    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
-    s = PolicyStats()
+    itself. Layers run in order within a token: the LRU sees one step per layer and token."""
     n_tokens = min(len(steps) for steps in layers) if layers else 0
-    for t in range(n_tokens):
-        for li, steps in enumerate(layers):
-            want = [(li, e) for e in _distinct(steps[t])]
-            s.lookups += len(want)
-            for key in want:
-                if key in cache:
-                    s.hits += 1
-                    cache.move_to_end(key)
-            for key in want:
-                if key in cache:
-                    continue
-                s.misses += 1
-                s.uploads += 1
-                if len(cache) >= n_slots_total:
-                    victim = next((c for c in cache if c not in want), None)
-                    if victim is None:
-                        continue  # this step alone fills the cache: the expert is used but not kept
-                    del cache[victim]
-                    s.evictions += 1
-                cache[key] = None
-    return s
+    return lru([[(li, e) for e in steps[t]] for t in range(n_tokens) for li, steps in enumerate(layers)],
+               n_slots_total)
 
 
 @dataclass
