@@ -119,10 +119,11 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
                    help="admission gate: off (default) or yield, where a layer whose pool copies more than it "
                         f"serves runs the stock path for a while{several}")
     p.add_argument("--mode", "--moe-pool-mode", dest="mode", type=_choices("mode", list(MODES)), default=(None,),
-                   help="copy (default: a miss is copied to a slot before the matmul) or hybrid (the device computes "
-                        f"the experts it holds, the CPU the misses){several}")
+                   help="hybrid (default: the device computes the experts it holds, the CPU the misses) or copy (a "
+                        f"miss is copied to a slot before the matmul){several}")
     p.add_argument("--upload-frac", type=float,
-                   help="hybrid mode's upload budget: share of a token's time (default 0.25; 0 = no budget)")
+                   help="hybrid mode's upload budget: share of a token's time (default 0.25); uploads only "
+                        "experts that pay back. 0 = no budget, every miss uploaded")
     p.add_argument("--device-mib", type=_mib_list,
                    help="treat the device(s) as this big (MiB; N or N0,N1,...)")
 

@@ -62,11 +62,12 @@ class PoolConfig:
     policy: which expert a miss evicts: "adaptive" (the default) or "lru".
     gate: "off" (the default) or "yield": a layer whose full pool copies in more experts than it serves
         runs the stock path (CPU experts) for a cool-down; those steps are not device-computed.
-    mode: "copy" (the default: a miss is copied to a slot before the layer's matmul) or "hybrid"
-        (the device computes the experts it holds while the CPU computes the misses, which are
-        uploaded after the CPU served them).
+    mode: "hybrid" (the default: the device computes the experts it holds while the CPU computes
+        the misses, which are uploaded after the CPU served them, when they pay back) or "copy" (a
+        miss is copied to a slot before the layer's matmul).
     upload_frac: hybrid mode's upload budget, the share of a token's measured time uploads may take
-        (default 0.25, LLAMA_MOE_POOL_UPLOAD_FRAC); 0 = no budget.
+        (default 0.25, LLAMA_MOE_POOL_UPLOAD_FRAC); a missed expert is uploaded only when its recent
+        uses pay back the upload. 0 = neither: every miss is uploaded, as copy mode does.
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
