@@ -27,6 +27,8 @@ DEFAULT_POLICY = "adaptive"
 GATES = {"off": 0, "yield": 1}
 #: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
 MODES = {"copy": 0, "hybrid": 1}
+#: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
+BATCH_CLASSES = ("1", "2-8", "9-32", "33+")
 
 
 def _code(what: str, value: str | int, codes: dict[str, int]) -> int:
@@ -68,17 +70,20 @@ class PoolConfig:
     upload_frac: hybrid mode's upload budget, the share of a token's measured time uploads may take
         (default 0.25, LLAMA_MOE_POOL_UPLOAD_FRAC); a missed expert is uploaded only when its recent
         uses pay back the upload. 0 = neither: every miss is uploaded, as copy mode does.
+    max_batch: micro-batches of up to this many tokens use the pool (default 32,
+        LLAMA_MOE_POOL_MAX_BATCH): decode, several sequences, speculative verification. Bigger ones
+        take the stock path and never evict. Copy mode also needs tokens x top-k to fit the slots.
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
     cap_mib: int | None = None
     device_mib: int | tuple[int, ...] | None = None
     profile: str | Path | None = None
-    speculative: bool = False
     policy: str | None = None
     gate: str | None = None
     mode: str | None = None
     upload_frac: float | None = None
+    max_batch: int | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -113,6 +118,9 @@ class PoolConfig:
         if self.upload_frac is not None and not (isinstance(self.upload_frac, (int, float))
                                                  and 0 <= self.upload_frac <= 1):
             raise PoolConfigError(f"upload_frac={self.upload_frac!r} is invalid: expected 0 (no budget) to 1")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool)
+                                           or self.max_batch < 1):
+            raise PoolConfigError(f"max_batch={self.max_batch!r} is invalid: expected a token count of at least 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -138,7 +146,6 @@ class PoolConfig:
             text = ffi.new("char[]", str(self.profile).encode())
             keep.append(text)
             params.profile = text
-        params.speculative = self.speculative
         if self.policy is not None:
             params.policy = policy_kind(self.policy)
         if self.gate is not None:
@@ -147,6 +154,8 @@ class PoolConfig:
             params.mode = mode_code(self.mode)
         if self.upload_frac is not None:
             params.upload_frac = float(self.upload_frac)
+        if self.max_batch is not None:
+            params.max_batch = self.max_batch
         keep.append(params)
         return params
 
@@ -172,7 +181,7 @@ class PoolStatus:
     total_slots: int
     policy: str = DEFAULT_POLICY
     gate: str = "off"
-    mode: str = "copy"
+    mode: str = "hybrid"
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,9 @@ class PoolCounters:
     deferred: int = 0        # hybrid mode: admitted experts whose upload waited for the budget
     syncs: int = 0           # times the host waited for a device in the steps that used the pool
     tokens: int = 0          # tokens of those steps
+    #: lookups and hits by micro-batch size, in the order of BATCH_CLASSES
+    batch_lookups: tuple[int, ...] = (0, 0, 0, 0)
+    batch_hits: tuple[int, ...] = (0, 0, 0, 0)
 
     @property
     def hit_rate(self) -> float:
@@ -201,8 +213,16 @@ class PoolCounters:
     def syncs_per_token(self) -> float:
         return self.syncs / self.tokens if self.tokens else 0.0
 
+    def by_batch(self) -> dict[str, dict[str, float]]:
+        """Lookups, hits, misses and hit rate per micro-batch size class (the classes that saw lookups)."""
+        return {name: {"lookups": n, "hits": h, "misses": n - h, "hit_rate": h / n}
+                for name, n, h in zip(BATCH_CLASSES, self.batch_lookups, self.batch_hits) if n}
+
     def to_json(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "syncs_per_token": self.syncs_per_token}
+        data = asdict(self)
+        del data["batch_lookups"], data["batch_hits"]
+        return {**data, "hit_rate": self.hit_rate, "syncs_per_token": self.syncs_per_token,
+                "by_batch": self.by_batch()}
 
 
 @dataclass(frozen=True)
@@ -249,13 +269,13 @@ def _status_from_c(ffi, s) -> PoolStatus:
         slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots,
         policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
         gate=ffi.string(s.gate).decode() if s.gate else "off",
-        mode=ffi.string(s.mode).decode() if s.mode else "copy")
+        mode=ffi.string(s.mode).decode() if s.mode else "hybrid")
 
 
 def _counters_from_c(c) -> PoolCounters:
     return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
-                        c.syncs, c.tokens)
+                        c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits))
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

@@ -81,14 +81,18 @@ def test_a_dense_model_is_refused_by_the_pool_session(tmp_path):
 
 def test_sweep_json_validates_against_its_schema(qwen3_model, rpc_server, stream, tmp_path):
     result = run_sweep(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True),
-                       SweepGrid(slots=(0, 4, 16), device_mib=65536), stream[:8], stream[8:40], repeats=2,
-                       progress=False)
+                       SweepGrid(slots=(0, 4, 16), device_mib=65536, mode=("copy",)), stream[:8], stream[8:40],
+                       repeats=2, progress=False)
     data = json.loads(write_json(result, tmp_path / "s.json"))
     jsonschema.validate(data, SWEEP_SCHEMA)
     rows = {r["slots"]: r for r in data["rows"]}
     assert rows[0]["lookups"] == 0 and rows[4]["hits"] + rows[4]["misses"] == rows[4]["lookups"]
-    assert rows[16]["copy_bytes"] < rows[4]["copy_bytes"]
+    assert rows[16]["copy_bytes"] < rows[4]["copy_bytes"]  # copy mode: every miss is copied
     assert all(r["tokens_match_first_row"] for r in data["rows"])
+    # one-token decode steps; the 8-token prompt too, where a pool holds every expert
+    assert set(rows[4]["by_batch"]) == {"1"} and rows[4]["by_batch"]["1"]["lookups"] == rows[4]["lookups"]
+    assert set(rows[16]["by_batch"]) == {"1", "2-8"}
+    assert sum(b["hits"] for b in rows[16]["by_batch"].values()) == rows[16]["hits"]
     broken = json.loads(json.dumps(data))
     del broken["rows"][0]["copy_bytes"]
     with pytest.raises(jsonschema.ValidationError):

@@ -9,7 +9,7 @@ import pytest
 from pyllamapool.decode import run_context
 from pyllamapool.llama import Context, Model
 from pyllamapool.pool import PoolConfig, PoolConfigError, Policy
-from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, block_size
+from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
 
 SPEC = ModelSpec()
 
@@ -241,12 +241,86 @@ def test_a_rail_below_the_floor_is_raised_with_a_warning(qwen3_model, rpc_server
     assert "raised to 1024 MiB" in caplog.text
 
 
-def test_speculative_decoding_keeps_the_pool_off(qwen3_model, rpc_server):
-    statuses, lines, counters, memory = pool_status(
-        qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=65536, speculative=True))
-    assert not statuses[0].enabled and statuses[0].reason == "speculative"
-    assert any("status=disabled reason=speculative" in l for l in lines)
-    assert not any(r.pool for r in memory)
+BATCH_SHAPES = (1, 2, 4, 8, 16, 32, 33, 512)   # tokens per llama_decode; the last two exceed the pool's 32
+
+
+def decode_in_batches(model: Model, pool: PoolConfig | None, tokens: list[int]):
+    """One sequence fed in micro-batches of BATCH_SHAPES tokens: the last logits of each, the counters
+    before the batches above the limit, and at the end."""
+    ctx = Context(model, n_ctx=1024, n_batch=512, n_ubatch=512, pool=pool)
+    logits, before_big, pos = [], None, 0
+    for n in BATCH_SHAPES:
+        if n > 32 and before_big is None and pool is not None:
+            before_big = ctx.pool_counters()
+        ctx.decode(tokens[pos:pos + n])
+        logits.append(ctx.logits())
+        pos += n
+    after = ctx.pool_counters() if pool is not None else None
+    ctx.close()
+    return logits, before_big, after
+
+
+@pytest.mark.parametrize("mode", ["copy", "hybrid"])
+def test_micro_batches_of_every_shape_are_bit_identical_and_big_ones_never_evict(qwen3_model, rpc_server, mode):
+    """Decode in micro-batches of 1 to 512 tokens: every batch's logits equal the all-resident run's.
+    Batches of up to 32 tokens use the pool: hybrid mode any of them (the CPU computes what the slots
+    do not hold), copy mode those whose tokens x top-k fit the slots. Bigger batches take the stock
+    path and neither evict nor upload. The counters split lookups by batch size."""
+    tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
+    resident = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
+    ref, *_ = decode_in_batches(resident, None, tokens)
+    resident.close()
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    got, before_big, c = decode_in_batches(model, PoolConfig(slots=8, device_mib=65536, mode=mode), tokens)
+    model.close()
+    for n, a, b in zip(BATCH_SHAPES, ref, got):
+        assert np.array_equal(a, b), f"{mode}: the {n}-token batch changed the logits"
+    pooled = [n for n in BATCH_SHAPES if n <= 32 and (mode == "hybrid" or n * SPEC.n_expert_used <= 8)]
+    assert c.steps == len(pooled) and c.bypassed_steps == len(BATCH_SHAPES) - len(pooled)
+    # 1 | 2-8 | 9-32 | 33+ tokens
+    used = [any(n == 1 for n in pooled), any(2 <= n <= 8 for n in pooled), any(9 <= n <= 32 for n in pooled), False]
+    assert [n > 0 for n in c.batch_lookups] == used
+    assert sum(c.batch_lookups) == c.lookups and sum(c.batch_hits) == c.hits
+    assert (c.evictions, c.uploads) == (before_big.evictions, before_big.uploads)
+
+
+def test_the_batch_limit_comes_from_the_config_or_the_environment(qwen3_model, rpc_server, monkeypatch):
+    tokens = token_stream(SPEC, StreamSpec(n_tokens=40, seed=5))
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    steps = {}
+    for name, pool, env in (("default", PoolConfig(slots=8, device_mib=65536), None),
+                            ("config", PoolConfig(slots=8, device_mib=65536, max_batch=4), None),
+                            ("env", PoolConfig(slots=8, device_mib=65536), "4")):
+        if env:
+            monkeypatch.setenv("LLAMA_MOE_POOL_MAX_BATCH", env)
+        ctx = Context(model, pool=pool)
+        ctx.decode(tokens[:8])   # 8 tokens: within 32, beyond 4
+        ctx.decode(tokens[8:9])
+        steps[name] = ctx.pool_counters().steps
+        ctx.close()
+    monkeypatch.setenv("LLAMA_MOE_POOL_MAX_BATCH", "lots")
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    status, lines = ctx.pool_status(), ctx.pool_lines()
+    ctx.close()
+    model.close()
+    assert steps == {"default": 2, "config": 1, "env": 1}
+    assert not status.enabled and status.reason == "invalid-config"
+    assert any("LLAMA_MOE_POOL_MAX_BATCH=lots is invalid" in l for l in lines)
+    with pytest.raises(PoolConfigError, match="max_batch=0 is invalid"):
+        PoolConfig(slots=8, max_batch=0).validate()
+
+
+@pytest.mark.parametrize("mode", ["copy", "hybrid"])
+def test_four_sequences_in_one_batch_stay_bit_identical(qwen3_model, rpc_server, stream, mode):
+    """Like llama-server with -np 4: each step decodes one token of each of four sequences (copy mode
+    pools them when 4 x top-4 fit its 16 slots; hybrid mode whatever its slots)."""
+    slots = 16 if mode == "copy" else 6
+    ref, got, counters = sequences_against_resident(qwen3_model, rpc_server,
+                                                    PoolConfig(slots=slots, device_mib=65536, mode=mode),
+                                                    [stream[i * 18:(i + 1) * 18] for i in range(4)], n_prompt=2)
+    assert counters.steps >= 16 and counters.hits > 0 and counters.batch_lookups[1] == counters.lookups
+    for r, g in zip(ref, got):
+        assert all(np.array_equal(a, b) for a, b in zip(r, g))
 
 
 def test_without_host_experts_on_an_accelerator_the_pool_says_so(qwen3_model, rpc_server):

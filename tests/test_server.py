@@ -1,9 +1,10 @@
-"""The patched llama-server and llama-bench on the RPC testbed: pool lines, -np 2 parity, fail-closed under
-speculation, the slot count from flags, lists and the environment, the bench's mec column."""
+"""The patched llama-server and llama-bench on the RPC testbed: pool lines, -np 2 parity, speculative
+decoding with the pool, the slot count from flags, lists and the environment, the bench's mec column."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -119,14 +120,34 @@ def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_mod
         assert logprobs(ref) == logprobs(got)  # exact: top-5 log-probabilities of every step
 
 
-def test_server_with_speculative_decoding_keeps_the_pool_off(qwen3_model, rpc_server):
-    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
-                      "--spec-type", "ngram-simple") as (port, lines):
-        result = complete(port, PROMPTS[0], 8)
-    assert result["content"]
+@pytest.mark.parametrize("spec", [("--spec-type", "ngram-simple"), ("-md", "DRAFT", "--spec-draft-n-max", "6")],
+                         ids=["ngram", "draft-model"])
+def test_speculative_decoding_keeps_the_target_pool_and_its_tokens(qwen3_model, make_model, rpc_server, monkeypatch,
+                                                                    spec):
+    """Speculative decoding verifies drafts in small batches: the target context keeps its pool and
+    serves them (hybrid, the default: any batch up to 32 tokens); a draft model's context gets none.
+    The accepted tokens and their log-probabilities are those of the same run without the pool."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    monkeypatch.setenv("GGML_MOE_POOL_STATS", "1")
+    spec = [make_model(arch="qwen3moe", seed=11) if a == "DRAFT" else a for a in spec]
+    args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "-ngld", "99", "--cpu-moe", *map(str, spec)]
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    with llama_server(qwen3_model, *args) as (port, _):
+        reference = complete(port, prompt, 32)
+    with llama_server(qwen3_model, *args, "-mec", "6") as (port, lines):
+        pooled = complete(port, prompt, 32)
     text = "".join(lines)
-    assert "expert pool status=disabled reason=speculative" in text
-    assert "first-use" not in text
+    assert pooled["content"] == reference["content"] and logprobs(pooled) == logprobs(reference)
+    status = [l for l in lines if "expert pool status=" in l]
+    assert "status=enabled" in status[0] and "mode=hybrid" in status[0]
+    if "-md" in spec:
+        assert any("status=disabled reason=draft-context" in l for l in status[1:])
+    assert "expert pool first-use=active" in text
+    runtime = next(l for l in lines if "expert pool runtime" in l)
+    assert int(runtime.split(" steps=")[1].split()[0]) > 0
+    # verification batches (the sampled token and its draft) were served by the pool
+    batches = dict(re.findall(r"(\w+)=(\d+)", next(l for l in lines if "expert pool batches" in l)))
+    assert int(batches["hits_b2_8"]) + int(batches["misses_b2_8"]) > 0, batches
 
 
 @pytest.mark.parametrize("flag", ["-mec", "--moe-expert-cache"])
