@@ -138,7 +138,7 @@ def parity(args) -> dict:
     spec = ModelSpec(**{**GEOMETRIES[args.geometry], **({"expert_type": args.expert_type} if args.expert_type else {})})
     model_path = cached_model(spec)
     stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + 8, seed=11))
-    heavy = PoolConfig(slots=spec.n_expert_used, device_mib=max(args.card_mib))
+    heavy = PoolConfig(slots=spec.n_expert_used, device_mib=max(args.card_mib), mode="copy")
     with ExitStack() as stack:
         rpc: tuple[str, ...] = ()
         if args.testbed:

@@ -223,7 +223,7 @@ def test_sweep_crosses_rails_caps_and_profiles(qwen3_model, rpc_server, tmp_path
     # a 2056 MiB device: a 1024 MiB rail leaves ~1 GiB, a 2048 MiB one leaves less than the weights
     result = cli("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
                  "--slots", "8", "--rail-mib", "1024,2048", "--cap-mib", "2,64", "--profile", str(flat),
-                 "--profile", str(steep), "--device-mib", "2056", "-n", "16", "-r", "1", "--json")
+                 "--profile", str(steep), "--device-mib", "2056", "-n", "16", "-r", "1", "--mode", "copy", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     jsonschema.validate(data, SWEEP_SCHEMA)

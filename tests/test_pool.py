@@ -81,12 +81,13 @@ def test_with_slots_for_every_expert_the_pool_stops_copying(qwen3_model, rpc_ser
     model.close()
 
 
-def test_prefill_bypasses_the_pool_and_leaves_the_decode_set_alone(qwen3_model, rpc_server, stream):
+@pytest.mark.parametrize("mode", ["copy", "hybrid"])
+def test_prefill_bypasses_the_pool_and_leaves_the_decode_set_alone(qwen3_model, rpc_server, stream, mode):
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536, mode=mode))
     run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:20])   # warm the decode set
     before = ctx.pool_counters()
-    ctx.decode(stream[20:52])                                      # a 32-token prompt: 32 x 4 > 8
+    ctx.decode(stream[20:60])                                      # a 40-token prompt: above the 32 limit
     after = ctx.pool_counters()
     assert after.bypassed_steps == before.bypassed_steps + 1
     assert (after.lookups, after.misses, after.evictions) == (before.lookups, before.misses, before.evictions)
@@ -834,8 +835,8 @@ def test_a_closed_gate_cools_down_32_steps_doubling_after_each_failed_probe_up_t
 
 def test_where_the_pool_pays_the_gate_never_closes_and_parity_holds(qwen3_model, rpc_server, stream):
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
-    _, off, _, ref = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536), keep_logits=True)
-    _, on, _, got = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536, gate="yield"),
+    _, off, _, ref = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536, mode="copy"), keep_logits=True)
+    _, on, _, got = recorded_run(model, stream, PoolConfig(slots=10, device_mib=65536, gate="yield", mode="copy"),
                                  keep_logits=True)
     model.close()
     assert on.hits > on.misses and on.gate_closures == 0 and on.gated_steps == 0
@@ -949,13 +950,14 @@ def test_hybrid_adds_no_host_synchronization_over_stock(qwen3_model, rpc_server,
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     waits = {}
     for name, pool in (("stock", None), ("hybrid", PoolConfig(slots=6, device_mib=65536, mode="hybrid")),
-                       ("copy", PoolConfig(slots=6, device_mib=65536))):
+                       ("copy", PoolConfig(slots=6, device_mib=65536, mode="copy"))):
         ctx = Context(model, pool=pool)
         run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:24])
         waits[name] = ctx.host_syncs()
         if pool:
             c = ctx.pool_counters()
-            assert c.syncs > 0 and c.tokens == 16
+            # 16 decode steps; hybrid also pools the 8-token prompt (copy: 8 x top-4 > 6 slots)
+            assert c.syncs > 0 and c.tokens == (24 if name == "hybrid" else 16)
         ctx.close()
     model.close()
     assert 0 < waits["hybrid"] <= waits["stock"], waits
@@ -982,7 +984,8 @@ def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses(qwen3_model, rpc_ser
     seen: list[np.ndarray] = []
     ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"),
                   observe=lambda n: n.startswith("ffn_moe_hybrid_cpu_ids"), observer=lambda n, a: seen.append(a.copy()))
-    run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:40])
+    # one-token steps: each entry is a distinct expert of its step, as the counters count them
+    run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:40])
     report = ctx.pool_report(per_pool=True)
     ctx.close()
     model.close()

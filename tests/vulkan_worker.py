@@ -60,7 +60,7 @@ def report(counters, status=None) -> dict:
 def check_parity(path: str) -> dict:
     host_copy = Model(path, n_gpu_layers=99, n_cpu_moe=99)
     stock, *_ = greedy(host_copy, STREAM)
-    pooled, counters, status = greedy(host_copy, STREAM, PoolConfig(slots=4))
+    pooled, counters, status = greedy(host_copy, STREAM, PoolConfig(slots=4, mode="copy"))
     host_copy.close()
     resident = Model(path, n_gpu_layers=99)
     ref, *_ = greedy(resident, STREAM)
@@ -73,7 +73,7 @@ def check_pinned(path: str) -> dict:
     """-lm none: host experts in Vulkan_Host (pinned) memory."""
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99, use_mmap=False)
     stock, *_ = greedy(model, STREAM)
-    pooled, counters, status = greedy(model, STREAM, PoolConfig(slots=4))
+    pooled, counters, status = greedy(model, STREAM, PoolConfig(slots=4, mode="copy"))
     model.close()
     return {"pooled_equals_host_copy": same(pooled, stock), **report(counters, status)}
 
@@ -82,7 +82,7 @@ def check_two_sequences(path: str) -> dict:
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
     seqs = [STREAM[:24], STREAM[24:48]]
     stock, _ = sequences(model, seqs)
-    pooled, counters = sequences(model, seqs, PoolConfig(slots=8))
+    pooled, counters = sequences(model, seqs, PoolConfig(slots=8, mode="copy"))
     model.close()
     return {"pooled_equals_host_copy": same(pooled, stock), **report(counters)}
 
@@ -91,7 +91,7 @@ def check_gate(path: str) -> dict:
     """Churn closes the gate: gated steps take the stock path, the graph is rebuilt on each verdict."""
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
     stock, *_ = greedy(model, CHURN)
-    gated, counters, status = greedy(model, CHURN, PoolConfig(slots=6, gate="yield"))
+    gated, counters, status = greedy(model, CHURN, PoolConfig(slots=6, gate="yield", mode="copy"))
     model.close()
     return {"pooled_equals_host_copy": same(gated, stock), **report(counters, status)}
 
@@ -99,7 +99,8 @@ def check_gate(path: str) -> dict:
 def check_two_contexts(path: str) -> dict:
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
     stock, *_ = greedy(model, STREAM)
-    c1, c2 = Context(model, pool=PoolConfig(slots=4)), Context(model, pool=PoolConfig(slots=8))
+    c1 = Context(model, pool=PoolConfig(slots=4, mode="copy"))
+    c2 = Context(model, pool=PoolConfig(slots=8, mode="copy"))
     r1, r2 = [], []
     for ctx, out in ((c1, r1), (c2, r2)):
         ctx.decode(STREAM[:8])
