@@ -73,6 +73,8 @@ class PoolConfig:
     max_batch: micro-batches of up to this many tokens use the pool (default 32,
         LLAMA_MOE_POOL_MAX_BATCH): decode, several sequences, speculative verification. Bigger ones
         take the stock path and never evict. Copy mode also needs tokens x top-k to fit the slots.
+    reserve_mib: device memory (MiB) to leave for buffers made after this context, e.g. a speculative
+        draft model's weights (llama-server sets it from the draft's file).
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -84,6 +86,7 @@ class PoolConfig:
     mode: str | None = None
     upload_frac: float | None = None
     max_batch: int | None = None
+    reserve_mib: int | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -121,6 +124,9 @@ class PoolConfig:
         if self.max_batch is not None and (not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool)
                                            or self.max_batch < 1):
             raise PoolConfigError(f"max_batch={self.max_batch!r} is invalid: expected a token count of at least 1")
+        if self.reserve_mib is not None and (not isinstance(self.reserve_mib, int) or isinstance(self.reserve_mib, bool)
+                                             or self.reserve_mib < 0):
+            raise PoolConfigError(f"reserve_mib={self.reserve_mib!r} is invalid: expected a whole number of MiB >= 0")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -156,6 +162,8 @@ class PoolConfig:
             params.upload_frac = float(self.upload_frac)
         if self.max_batch is not None:
             params.max_batch = self.max_batch
+        if self.reserve_mib is not None:
+            params.reserve_mib = self.reserve_mib
         keep.append(params)
         return params
 
@@ -204,6 +212,9 @@ class PoolCounters:
     #: lookups and hits by micro-batch size, in the order of BATCH_CLASSES
     batch_lookups: tuple[int, ...] = (0, 0, 0, 0)
     batch_hits: tuple[int, ...] = (0, 0, 0, 0)
+    #: offloaded stock-path batches (prefill): used experts' bytes copied from the slots / from the host
+    prefill_device_bytes: int = 0
+    prefill_host_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -275,7 +286,8 @@ def _status_from_c(ffi, s) -> PoolStatus:
 def _counters_from_c(c) -> PoolCounters:
     return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
-                        c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits))
+                        c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
+                        c.prefill_host_bytes)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

@@ -26,7 +26,9 @@ import numpy as np
 
 from .errors import PyllamapoolError
 
-ARCHITECTURES = ("qwen3moe", "qwen2moe")
+#: qwen3moe; qwen2moe (a gated shared expert); glm4moe (sigmoid routing with a bias, one shared expert, and
+#: one MTP layer after the trunk, for llama-server --spec-type draft-mtp)
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "glm4moe")
 #: expert storage types written by the gguf package itself
 NATIVE_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
 #: types that go through the pinned tree's llama-quantize (the gguf package cannot write them)
@@ -128,7 +130,8 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
         "output_norm.weight": np.ones(d, np.float32),
         "output.weight": (rng.standard_normal((v, d)) * 0.5).astype(np.float32),
     }
-    for il in range(spec.n_layer):
+    n_mtp = 1 if spec.arch == "glm4moe" else 0
+    for il in range(spec.n_layer + n_mtp):
         p = f"blk.{il}."
         small = 0.02
         t[p + "attn_norm.weight"] = np.ones(d, np.float32)
@@ -139,7 +142,7 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
         if spec.arch == "qwen3moe":
             t[p + "attn_q_norm.weight"] = np.ones(head_dim, np.float32)
             t[p + "attn_k_norm.weight"] = np.ones(head_dim, np.float32)
-        t[p + "ffn_norm.weight"] = np.ones(d, np.float32)
+        t[p + ("post_attention_norm.weight" if spec.arch == "glm4moe" else "ffn_norm.weight")] = np.ones(d, np.float32)
         # Router: home topic + popularity (Zipf over a per-layer permutation; flatter early on).
         depth = (il + 1) / spec.n_layer
         exponent = spec.zipf * (0.35 + 0.65 * depth)
@@ -154,12 +157,21 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
         t[p + "ffn_gate_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
         t[p + "ffn_up_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
         t[p + "ffn_down_exps.weight"] = (rng.standard_normal((spec.n_expert, d, f)) * 0.08).astype(np.float32)
-        if spec.arch == "qwen2moe":
-            s = spec.n_ff_shexp
-            t[p + "ffn_gate_inp_shexp.weight"] = (rng.standard_normal(d) * 0.1).astype(np.float32)
+        if spec.arch in ("qwen2moe", "glm4moe"):
+            s = spec.n_ff_shexp if spec.arch == "qwen2moe" else f  # glm4moe: one shared expert
+            if spec.arch == "qwen2moe":
+                t[p + "ffn_gate_inp_shexp.weight"] = (rng.standard_normal(d) * 0.1).astype(np.float32)
             t[p + "ffn_gate_shexp.weight"] = (rng.standard_normal((s, d)) * 0.05).astype(np.float32)
             t[p + "ffn_up_shexp.weight"] = (rng.standard_normal((s, d)) * 0.05).astype(np.float32)
             t[p + "ffn_down_shexp.weight"] = (rng.standard_normal((d, s)) * 0.05).astype(np.float32)
+        if spec.arch == "glm4moe":
+            t[p + "exp_probs_b.bias"] = np.zeros(spec.n_expert, np.float32)
+        if il >= spec.n_layer:
+            # the MTP layer: the next token's embedding and this one's hidden state, projected together
+            t[p + "nextn.eh_proj.weight"] = (rng.standard_normal((d, 2 * d)) * 0.05).astype(np.float32)
+            t[p + "nextn.enorm.weight"] = np.ones(d, np.float32)
+            t[p + "nextn.hnorm.weight"] = np.ones(d, np.float32)
+            t[p + "nextn.shared_head_norm.weight"] = np.ones(d, np.float32)
     return t
 
 
@@ -174,7 +186,7 @@ def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
     writer.add_name(f"pyllamapool tiny {spec.arch}")
     writer.add_context_length(spec.n_ctx_train)
     writer.add_embedding_length(spec.n_embd)
-    writer.add_block_count(spec.n_layer)
+    writer.add_block_count(spec.n_layer + (1 if spec.arch == "glm4moe" else 0))
     writer.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
     writer.add_head_count(spec.n_head)
     writer.add_head_count_kv(spec.n_head_kv)
@@ -185,6 +197,12 @@ def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
     writer.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
+    if spec.arch == "glm4moe":
+        writer.add_uint32(f"{spec.arch}.expert_shared_count", 1)
+        writer.add_uint32(f"{spec.arch}.leading_dense_block_count", 0)
+        writer.add_bool(f"{spec.arch}.expert_weights_norm", True)
+        writer.add_float32(f"{spec.arch}.expert_weights_scale", 1.0)
+        writer.add_uint32(f"{spec.arch}.nextn_predict_layers", 1)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if expert_type == "F16" else gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("test")
     writer.add_token_list([f"tok_{i}" for i in range(spec.n_vocab)])

@@ -28,7 +28,7 @@ def identical(a, b) -> bool:
     return len(a.logits) == len(b.logits) and all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
-@pytest.fixture(params=["qwen3moe", "qwen2moe"])
+@pytest.fixture(params=["qwen3moe", "qwen2moe", "glm4moe"])
 def arch_model(request, make_model):
     return make_model(arch=request.param)
 
@@ -233,6 +233,18 @@ def test_no_room_disables_the_pool_and_decode_still_works(qwen3_model, rpc_serve
     assert not statuses[0].enabled and statuses[0].reason == "no-room"
     assert any("status=disabled reason=no-room" in l for l in lines)
     assert counters.lookups == 0
+
+
+def test_memory_reserved_for_later_buffers_comes_off_the_cap(qwen3_model, rpc_server):
+    """A draft model is loaded after the target context sized its pool: reserve_mib counts its weights
+    as in use, so the cap drops by exactly that much and the ceiling stays."""
+    plain, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=4096))
+    reserved, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8, device_mib=4096, reserve_mib=100))
+    assert plain[0].enabled and reserved[0].enabled
+    assert plain[0].ceiling == reserved[0].ceiling
+    assert plain[0].cap - reserved[0].cap == 100 * 2**20
+    with pytest.raises(PoolConfigError, match="reserve_mib=-1 is invalid"):
+        PoolConfig(slots=8, reserve_mib=-1).validate()
 
 
 def test_a_rail_below_the_floor_is_raised_with_a_warning(qwen3_model, rpc_server, caplog):

@@ -2,6 +2,8 @@
 decoding with the pool, the slot count from flags, lists and the environment, the bench's mec column."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -120,27 +122,30 @@ def test_server_np2_decode_with_the_pool_is_bit_identical_per_sequence(qwen3_mod
         assert logprobs(ref) == logprobs(got)  # exact: top-5 log-probabilities of every step
 
 
-@pytest.mark.parametrize("spec", [("--spec-type", "ngram-simple"), ("-md", "DRAFT", "--spec-draft-n-max", "6")],
-                         ids=["ngram", "draft-model"])
-def test_speculative_decoding_keeps_the_target_pool_and_its_tokens(qwen3_model, make_model, rpc_server, monkeypatch,
-                                                                    spec):
+@pytest.mark.parametrize("arch, spec", [("qwen3moe", ("--spec-type", "ngram-simple")),
+                                        ("qwen3moe", ("-md", "DRAFT", "--spec-draft-n-max", "6")),
+                                        ("glm4moe", ("--spec-type", "draft-mtp"))],
+                         ids=["ngram", "draft-model", "mtp"])
+def test_speculative_decoding_keeps_the_target_pool_and_its_tokens(make_model, rpc_server, monkeypatch, arch, spec):
     """Speculative decoding verifies drafts in small batches: the target context keeps its pool and
-    serves them (hybrid, the default: any batch up to 32 tokens); a draft model's context gets none.
-    The accepted tokens and their log-probabilities are those of the same run without the pool."""
+    serves them (hybrid, the default: any batch up to 32 tokens); a draft model's context, or the MTP
+    context on the target's own weights (glm4moe's next-token layer), gets none. The accepted tokens
+    and their log-probabilities are those of the same run without the pool."""
     monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
     monkeypatch.setenv("GGML_MOE_POOL_STATS", "1")
+    model = make_model(arch=arch)
     spec = [make_model(arch="qwen3moe", seed=11) if a == "DRAFT" else a for a in spec]
     args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "-ngld", "99", "--cpu-moe", *map(str, spec)]
     prompt = "the quick brown fox jumps over the lazy dog " * 3
-    with llama_server(qwen3_model, *args) as (port, _):
+    with llama_server(model, *args) as (port, _):
         reference = complete(port, prompt, 32)
-    with llama_server(qwen3_model, *args, "-mec", "6") as (port, lines):
+    with llama_server(model, *args, "-mec", "6") as (port, lines):
         pooled = complete(port, prompt, 32)
     text = "".join(lines)
     assert pooled["content"] == reference["content"] and logprobs(pooled) == logprobs(reference)
     status = [l for l in lines if "expert pool status=" in l]
     assert "status=enabled" in status[0] and "mode=hybrid" in status[0]
-    if "-md" in spec:
+    if "-md" in spec or "draft-mtp" in spec:
         assert any("status=disabled reason=draft-context" in l for l in status[1:])
     assert "expert pool first-use=active" in text
     runtime = next(l for l in lines if "expert pool runtime" in l)
@@ -148,6 +153,24 @@ def test_speculative_decoding_keeps_the_target_pool_and_its_tokens(qwen3_model, 
     # verification batches (the sampled token and its draft) were served by the pool
     batches = dict(re.findall(r"(\w+)=(\d+)", next(l for l in lines if "expert pool batches" in l)))
     assert int(batches["hits_b2_8"]) + int(batches["misses_b2_8"]) > 0, batches
+
+
+def test_a_draft_model_s_weights_are_left_free_on_the_device(qwen3_model, make_model, rpc_server, monkeypatch):
+    """llama-server loads -md's draft after the target context sized its pool: the pool leaves the
+    draft file's size free (its weights, offloaded with -ngld 99), which the status line's cap shows."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "8192")
+    draft = make_model(arch="qwen3moe", seed=11)
+    args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "6"]
+    caps = {}
+    for name, extra in (("alone", []), ("with-draft", ["-md", str(draft), "-ngld", "99"])):
+        with llama_server(qwen3_model, *args, *extra) as (port, lines):
+            assert complete(port, PROMPTS[0], 4)["content"]
+        status = next(l for l in lines if "expert pool status=enabled" in l)
+        caps[name] = int(re.search(r" cap=(\d+)", status).group(1))
+        text = "".join(lines)
+    draft_mib = -(-draft.stat().st_size // 2**20)
+    assert f"expert pool: leaving {draft_mib} MiB for the draft model's weights" in text
+    assert caps["alone"] - caps["with-draft"] >= draft_mib * 2**20
 
 
 @pytest.mark.parametrize("flag", ["-mec", "--moe-expert-cache"])
@@ -188,6 +211,28 @@ def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_ser
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in table[2:]]
     assert [r[header.index("mec")] for r in rows] == ["0", "8"]
     assert result.stderr.count("expert pool status=enabled") == 1  # -mec 0: no pool at all
+
+
+def test_llama_bench_crosses_the_slot_count_with_micro_batch_sizes_and_prompt_plus_generation(qwen3_model,
+                                                                                              rpc_server):
+    """-mec with -ub sweeps and -pg (a prompt, then generation in the same test): the pool's effect on
+    prompt batches and decode shows per row; the pool's batch telemetry comes out with the runs."""
+    argv = [str(tool_path("llama-bench")), "-m", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99",
+            "-ncmoe", "99", "-mec", "0,8", "-ub", "16,64", "-p", "0", "-n", "0", "-pg", "48,8", "-r", "1", "-t", "1",
+            "-o", "csv", "-v"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LLAMA_MOE_POOL_DEVICE_MIB": "65536", "GGML_MOE_POOL_STATS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    got = sorted((r["moe_expert_cache"], r["n_ubatch"], r["n_prompt"], r["n_gen"]) for r in rows)
+    assert got == sorted((str(m), str(u), "48", "8") for m in (0, 8) for u in (16, 64)), got
+    # -ub 16: the prompt's three 16-token micro-batches are pooled (hybrid); -ub 64: one 48-token
+    # batch, above the pool's 32, takes the stock path
+    batches = [dict(re.findall(r"(\w+)=(\d+)", l)) for l in result.stderr.splitlines() if "expert pool batches" in l]
+    runtime = [dict(re.findall(r"(\w+)=(\d+)", l)) for l in result.stderr.splitlines() if "expert pool runtime" in l]
+    assert len(batches) == len(runtime) == 2, result.stderr[-3000:]
+    assert any(int(b["hits_b9_32"]) + int(b["misses_b9_32"]) > 0 for b in batches)
+    assert any(int(r["bypassed_steps"]) > 0 for r in runtime)
 
 
 def test_llama_bench_sweeps_the_pool_mode_in_a_mode_column_kept_last_in_csv(qwen3_model, rpc_server):

@@ -82,3 +82,13 @@ def test_hybrid_mode_runs_its_device_side_on_vulkan(make_model):
     # that is not zero, moves logits by a good part of their spread
     assert r["finite"] and r["max_abs_diff"] < 1e-3 * r["logit_std"], r
     assert r["argmax_equal"] >= r["n_steps"] - 1, r
+
+
+def test_a_prompt_batch_copies_the_experts_the_pool_holds_from_its_slots(qwen3_model):
+    """The stock path of a 36-token batch offloads its expert matmuls (GGML_OP_OFFLOAD_MIN_BATCH=1 in
+    the worker): resident experts come from the slots, device to device, the rest from the host;
+    the logits equal the run without the pool bit for bit, and nothing is evicted."""
+    r = on_vulkan("prefill", qwen3_model)
+    assert r["bypassed"] == 1 and r["evictions_in_prefill"] == 0, r
+    assert r["prefill_device_bytes"] > 0 and r["prefill_host_bytes"] > 0, r
+    assert r["pooled_equals_host_copy"], r

@@ -136,7 +136,31 @@ def check_hybrid(path: str) -> dict:
             "uploads": counters.uploads, **report(counters, status)}
 
 
-CHECKS = {"parity": check_parity, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
+def check_prefill(path: str) -> dict:
+    """A prompt batch takes the stock path, whose offloaded MUL_MAT_IDs the scheduler feeds by copying
+    the used experts to the device: the ones the pool holds come from its slots, device to device. The
+    bytes are the host's, so every logit equals the run without the pool."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    runs = {}
+    for name, pool in (("stock", None), ("pooled", PoolConfig(slots=8, mode="copy"))):
+        ctx = Context(model, n_ctx=256, pool=pool)
+        logits = []
+        for tok in STREAM[:12]:               # decode fills the slots
+            ctx.decode([tok])
+            logits.append(ctx.logits())
+        before = ctx.pool_counters() if pool else None
+        ctx.decode(STREAM[12:48])             # 36 tokens: beyond the pool's batches, the stock path
+        logits.append(ctx.logits())
+        runs[name] = (logits, before, ctx.pool_counters() if pool else None)
+        ctx.close()
+    model.close()
+    (stock, _, _), (pooled, before, after) = runs["stock"], runs["pooled"]
+    return {"pooled_equals_host_copy": same(pooled, stock), "bypassed": after.bypassed_steps - before.bypassed_steps,
+            "evictions_in_prefill": after.evictions - before.evictions,
+            "prefill_device_bytes": after.prefill_device_bytes, "prefill_host_bytes": after.prefill_host_bytes}
+
+
+CHECKS = {"parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
           "gate": check_gate, "two-contexts": check_two_contexts}
 
 if __name__ == "__main__":
