@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
             console.print(f"patches/: {len(changed)} file(s) changed" +
                           (f": {', '.join(changed)}" if changed else " (up to date)"))
         elif args.command == "check-patches":
-            problems = check_patches(pin, runner, source_path=args.source)
+            footprints: list = []
+            problems = check_patches(pin, runner, source_path=args.source, footprints=footprints)
+            for footprint in footprints:
+                console.print(footprint.line())
+                console.print("  " + ", ".join(footprint.upstream_files), highlight=False)
             if problems:
                 console.print("[red]check-patches failed:[/red]\n  " + "\n  ".join(problems))
                 return 1

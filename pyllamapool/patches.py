@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,10 +145,45 @@ def describe_difference(expected: dict[str, bytes], actual: dict[str, bytes]) ->
     return sorted(lines)
 
 
+#: the two stacks of the series, in order: ggml's changes (each with its own test, small enough to send
+#: upstream alone), then llama's (the expert pool). A patch's stack is the component its subject names.
+STACKS = ("ggml", "llama")
+STACK_TITLES = {"ggml": "ggml: backend changes, each with its own test, each reviewable upstream on its own",
+                "llama": "llama: the expert pool (libllama, common, tools)"}
+
+
+def stack_of(name: str) -> str:
+    """"0003-ggml-backend-sched-...patch" -> "ggml"; every other patch belongs to the llama stack."""
+    subject = name.split("-", 1)[1] if "-" in name else name
+    return "ggml" if subject.startswith("ggml") else "llama"
+
+
+def stacks(names: Sequence[str]) -> dict[str, list[str]]:
+    """The series split into its stacks; the ggml stack must come first (it never depends on llama's)."""
+    out: dict[str, list[str]] = {s: [] for s in STACKS}
+    for name in names:
+        stack = stack_of(name)
+        if stack == "ggml" and out["llama"]:
+            raise PatchError(f"{name} changes ggml but follows the llama stack ({out['llama'][-1]}): move the "
+                             "ggml commits before the first llama one (git rebase -i) and export again")
+        out[stack].append(name)
+    return out
+
+
+def series_text(names: Sequence[str]) -> str:
+    text = ("# Applied in order with `git am -3` onto the pinned tree (vendor/llama.cpp.pin).\n"
+            "# Regenerate with `python build.py export-patches`; never edit patches by hand.\n")
+    for stack, members in stacks(names).items():
+        if members:
+            text += f"\n# {STACK_TITLES[stack]}\n" + "".join(f"{name}\n" for name in members)
+    return text
+
+
 def export_patches(tree: Path, patches_dir: Path, runner: Runner) -> list[str]:
     """Write the commits above the baseline to patches/ and update series; returns changed names."""
     ensure_clean(tree, runner)
     rendered = render_series(tree, runner)
+    text = series_text(list(rendered))  # refuses a ggml commit after a llama one, before writing anything
     old = Series.load(patches_dir)
     changed = [name for name, data in rendered.items()
                if not (patches_dir / name).exists() or (patches_dir / name).read_bytes() != data]
@@ -160,12 +196,9 @@ def export_patches(tree: Path, patches_dir: Path, runner: Runner) -> list[str]:
         (patches_dir / name).write_bytes(rendered[name])
     for name in removed:
         (patches_dir / name).unlink(missing_ok=True)
-    series_text = ("# Applied in order with `git am -3` onto the pinned tree (vendor/llama.cpp.pin).\n"
-                   "# Regenerate with `python build.py export-patches`; never edit patches by hand.\n"
-                   + "".join(f"{name}\n" for name in rendered))
     series_file = patches_dir / "series"
-    if not series_file.exists() or series_file.read_text() != series_text:
-        series_file.write_text(series_text)
+    if not series_file.exists() or series_file.read_text() != text:
+        series_file.write_text(text)
         changed.append("series")
     return changed + removed
 
@@ -255,18 +288,57 @@ def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset:
     return tree
 
 
+@dataclass(frozen=True)
+class StackFootprint:
+    """What one stack changes in upstream llama.cpp: files that exist in the pinned tree, and the lines
+    added plus removed in them (new files of our own are counted apart)."""
+    stack: str
+    patches: int
+    upstream_files: tuple[str, ...]
+    upstream_lines: int
+    new_files: int
+
+    def line(self) -> str:
+        return (f"{self.stack} stack: {self.patches} patches; {len(self.upstream_files)} upstream files, "
+                f"{self.upstream_lines} lines changed in them; {self.new_files} new files")
+
+
+def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
+    """Per stack, from a tree holding the baseline and the series as commits."""
+    base = baseline_commit(tree, runner)
+    commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD", runner=runner).stdout.split()
+    out, start = [], base
+    for stack, members in stacks(series.names).items():
+        if not members:
+            continue
+        end = commits[series.names.index(members[-1])]
+        files, lines = [], 0
+        for row in git(tree, "diff", "--numstat", "--diff-filter=M", start, end, runner=runner).stdout.splitlines():
+            added, removed, path = row.split("\t", 2)
+            files.append(path)
+            lines += int(added) + int(removed)
+        new = git(tree, "diff", "--name-only", "--diff-filter=A", start, end, runner=runner).stdout.split()
+        out.append(StackFootprint(stack, len(members), tuple(files), lines, len(new)))
+        start = end
+    return out
+
+
 def check_patches(pin: Pin, runner: Runner, *, source_path: Path | None = None,
-                  root: Path | None = None) -> list[str]:
-    """Apply the series to a fresh pristine copy; return problems (empty = good)."""
+                  root: Path | None = None, footprints: list[StackFootprint] | None = None) -> list[str]:
+    """Apply the series to a fresh pristine copy, patch by patch, each onto its predecessors; return
+    problems (empty = good). `footprints`, when given, receives what each stack changes upstream."""
     series = Series.load(paths.patches_dir(root))
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pyllamapool-check-") as tmp:
         fresh = Path(tmp) / "llama.cpp"
         source.materialize(pin, fresh, runner, source_path)
         init_baseline(fresh, pin, runner)
+        stacks(series.names)  # the ggml stack first
         apply_series(fresh, series, runner)  # raises PatchError naming the patch
         if runner.dry_run:
             return problems
+        if footprints is not None:
+            footprints.extend(stack_footprints(fresh, series, runner))
         roundtrip = render_series(fresh, runner)
         problems += [f"round trip: {line}" for line in
                      describe_difference(current_patches(series), roundtrip)]

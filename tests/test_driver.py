@@ -158,6 +158,38 @@ def test_apply_export_round_trip_is_byte_identical(fake_project, tmp_path):
     assert export_patches(tree, root / "patches", runner) == []
 
 
+def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_footprint(fake_project):
+    """ggml's changes come first, each reviewable upstream on its own, then llama's; check-patches says
+    which upstream files each stack touches and how many lines it changes in them."""
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    (tree / "ggml").mkdir()
+    commit_in(tree, "ggml/new.c", "int g;\n", "ggml : a new file\n\nWhy: tests.")
+    commit_in(tree, "include/llama.h", "int llama(void);\nint pool(void);\n", "llama : declare pool\n\nWhy: tests.")
+    commit_in(tree, "src/llama.cpp", "int llama(void) { return 2; }\nint pool(void) { return 0; }\n",
+              "llama : define pool\n\nWhy: tests.")
+    export_patches(tree, root / "patches", runner)
+    text = (root / "patches" / "series").read_text()
+    assert text.index("# ggml:") < text.index("0001-ggml-a-new-file.patch") < text.index("# llama:") \
+        < text.index("0002-llama-declare-pool.patch")
+    footprints: list = []
+    assert check_patches(pin, runner, source_path=src, root=root, footprints=footprints) == []
+    ggml, llama = footprints
+    assert (ggml.stack, ggml.patches, ggml.upstream_files, ggml.new_files) == ("ggml", 1, (), 1)
+    assert (llama.stack, llama.patches, llama.upstream_files) == ("llama", 2, ("include/llama.h", "src/llama.cpp"))
+    # lines added plus removed: one added to the header; in the source one removed, two added
+    assert llama.upstream_lines == 1 + 3
+    assert "2 upstream files, 4 lines changed" in llama.line()
+
+    # a ggml commit after a llama one is refused, naming both, and nothing is written
+    commit_in(tree, "ggml/new.c", "int g2;\n", "ggml : later\n\nWhy: tests.")
+    with pytest.raises(PatchError, match="0004-ggml-later.patch changes ggml but follows the llama stack "
+                                         r"\(0003-llama-define-pool.patch\)"):
+        export_patches(tree, root / "patches", runner)
+    assert not (root / "patches" / "0004-ggml-later.patch").exists()
+
+
 def test_applying_twice_is_a_no_op(fake_project):
     root, src, pin = fake_project
     runner = Runner()
