@@ -250,7 +250,12 @@ def test_llama_bench_sweeps_the_pool_mode_in_a_mode_column_kept_last_in_csv(qwen
     csv = subprocess.run([*argv, "-o", "csv"], capture_output=True, text=True, timeout=300, env=env)
     assert csv.returncode == 0, csv.stderr[-2000:]
     lines = csv.stdout.strip().splitlines()
-    assert lines[0].split(",")[-1].strip('"') == "moe_pool_mode"
+    header = lines[0].split(",")
+    assert header[-2:] == ["moe_expert_cache", "moe_pool_mode"]
+    # upstream's columns keep their order: the timings follow n_depth, as in stock llama-bench
+    assert header[header.index("n_depth") + 1:header.index("n_depth") + 7] == \
+        ["test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "moe_expert_cache"]
     assert [l.split(",")[-1].strip('"') for l in lines[1:]] == ["copy", "hybrid"]
+    assert [l.split(",")[-2].strip('"') for l in lines[1:]] == ["8", "8"]
     bad = subprocess.run([*argv[:-2], "--moe-pool-mode", "turbo"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode != 0
