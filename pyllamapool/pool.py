@@ -54,6 +54,12 @@ def mode_code(mode: str | int) -> int:
     return _code("mode", mode, MODES)
 
 
+def _check_whole(name: str, value, minimum: int, expected: str) -> None:
+    """None (take the default) or a whole number >= minimum; bools are not numbers here."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise PoolConfigError(f"{name}={value!r} is invalid: {expected}")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
@@ -110,8 +116,7 @@ class PoolConfig:
             if name == "device_mib" and isinstance(value, tuple) and not 1 <= len(value) <= MAX_DEVICES:
                 raise PoolConfigError(f"device_mib needs 1 to {MAX_DEVICES} values, got {len(value)}")
             for v in values:
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                    raise PoolConfigError(f"{name}={v!r} is invalid: it must be a whole number of MiB >= 1")
+                _check_whole(name, v, 1, "it must be a whole number of MiB >= 1")
         if self.policy is not None:
             policy_kind(self.policy)
         if self.gate is not None:
@@ -121,12 +126,8 @@ class PoolConfig:
         if self.upload_frac is not None and not (isinstance(self.upload_frac, (int, float))
                                                  and 0 <= self.upload_frac <= 1):
             raise PoolConfigError(f"upload_frac={self.upload_frac!r} is invalid: expected 0 (no budget) to 1")
-        if self.max_batch is not None and (not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool)
-                                           or self.max_batch < 1):
-            raise PoolConfigError(f"max_batch={self.max_batch!r} is invalid: expected a token count of at least 1")
-        if self.reserve_mib is not None and (not isinstance(self.reserve_mib, int) or isinstance(self.reserve_mib, bool)
-                                             or self.reserve_mib < 0):
-            raise PoolConfigError(f"reserve_mib={self.reserve_mib!r} is invalid: expected a whole number of MiB >= 0")
+        _check_whole("max_batch", self.max_batch, 1, "expected a token count of at least 1")
+        _check_whole("reserve_mib", self.reserve_mib, 0, "expected a whole number of MiB >= 0")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
