@@ -363,7 +363,7 @@ class Context:
             self._keep.append(draft_of)   # the target must outlive its draft
         self.pool_config = pool
         if pool is not None and pool.enabled:
-            params.moe_pool = pool.to_c(ffi, self._keep)
+            params.moe_pool = pool.to_c(ffi, self._keep, model_path=model.path)
         self._callback = None
         if observer is not None:
             self._callback = self._make_eval_callback(observe or (lambda name: True), observer)

@@ -5,7 +5,8 @@ follow the telemetry lines (`expert pool status=... requested_slots=... limited_
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -20,13 +21,20 @@ class PoolConfigError(PyllamapoolError):
     """A pool setting is out of range."""
 
 
-#: the slot policies by their C API code (enum llama_moe_pool_policy_kind); the pool's default first
-POLICY_KINDS = {"adaptive": 1, "lru": 0}
+#: the slot policies by their C API code (enum llama_moe_pool_policy_type); the pool's default first
+POLICY_KINDS = {"adaptive": 2, "lru": 1}
 DEFAULT_POLICY = "adaptive"
-#: the admission gate by its C API code (enum llama_moe_pool_gate)
-GATES = {"off": 0, "yield": 1}
+#: the admission gate by its C API code (enum llama_moe_pool_gate_type)
+GATES = {"off": 1, "yield": 2}
 #: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
-MODES = {"copy": 0, "hybrid": 1}
+MODES = {"copy": 1, "hybrid": 2}
+#: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
+ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL_CAP_MIB",
+               "device_mib": "LLAMA_MOE_POOL_DEVICE_MIB", "profile": "LLAMA_MOE_POOL_PROFILE",
+               "policy": "LLAMA_MOE_POOL_POLICY", "gate": "LLAMA_MOE_POOL_GATE", "mode": "LLAMA_MOE_POOL_MODE",
+               "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH"}
+#: any value asks for per-pool counters and hits by batch size in the shutdown report
+STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
 BATCH_CLASSES = ("1", "2-8", "9-32", "33+")
 
@@ -58,6 +66,20 @@ def _check_whole(name: str, value, minimum: int, expected: str) -> None:
     """None (take the default) or a whole number >= minimum; bools are not numbers here."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
         raise PoolConfigError(f"{name}={value!r} is invalid: {expected}")
+
+
+def _parse_env(name: str, text: str):
+    """An environment value for PoolConfig's field `name` (ValueError for one that does not parse)."""
+    if name == "device_mib":
+        sizes = tuple(int(part) for part in text.split(","))
+        return sizes[0] if len(sizes) == 1 else sizes
+    if name in ("rail_mib", "cap_mib", "max_batch"):
+        if not text.strip().isdigit():
+            raise ValueError("expected a whole number")
+        return int(text)
+    if name == "upload_frac":
+        return float(text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -131,40 +153,64 @@ class PoolConfig:
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
-    def to_c(self, ffi, keep: list):
-        """A `struct llama_moe_pool_params *` (objects it points to are appended to keep)."""
-        self.validate()
+    def with_environment(self, environ=None) -> "PoolConfig":
+        """This config with the fields left at None taken from the environment (ENVIRONMENT), as
+        llama.cpp's tools do; a value that is not valid raises PoolConfigError naming the variable."""
+        environ = os.environ if environ is None else environ
+        updates = {}
+        for name, var in ENVIRONMENT.items():
+            text = environ.get(var)
+            if text is None or getattr(self, name) is not None:
+                continue
+            try:
+                value = _parse_env(name, text)
+                replace(self, **{name: value}).validate()
+            except (ValueError, PoolConfigError) as e:
+                raise PoolConfigError(f"{var}={text} is invalid: {e}") from None
+            updates[name] = value
+        return replace(self, **updates)
+
+    def to_c(self, ffi, keep: list, model_path: str | Path | None = None):
+        """A `struct llama_moe_pool_params *` (objects it points to are appended to keep).
+
+        model_path: the model's file, from which uploads read experts whose host copy the CPU
+        repacked (without it such layers keep the stock path, reason=repacked)."""
+        config = self.with_environment()
+        config.validate()
         _, lib, _ = _ffi.load()
         params = ffi.new("struct llama_moe_pool_params *", lib.llama_moe_pool_default_params())
-        slots = self.slot_list
+        slots = config.slot_list
         params.n_slots = len(slots)
         for i, s in enumerate(slots):
             params.slots[i] = s
-        if self.rail_mib is not None:
-            params.rail_mib = self.rail_mib
-        if self.cap_mib is not None:
-            params.cap_mib = self.cap_mib
-        if self.device_mib is not None:
-            sizes = self.device_mib if isinstance(self.device_mib, tuple) else (self.device_mib,)
+        if config.rail_mib is not None:
+            params.rail_mib = config.rail_mib
+        if config.cap_mib is not None:
+            params.cap_mib = config.cap_mib
+        if config.device_mib is not None:
+            sizes = config.device_mib if isinstance(config.device_mib, tuple) else (config.device_mib,)
             params.n_device_mib = len(sizes)
             for i, v in enumerate(sizes):
                 params.device_mib[i] = v
-        if self.profile is not None:
-            text = ffi.new("char[]", str(self.profile).encode())
-            keep.append(text)
-            params.profile = text
-        if self.policy is not None:
-            params.policy = policy_kind(self.policy)
-        if self.gate is not None:
-            params.gate = gate_code(self.gate)
-        if self.mode is not None:
-            params.mode = mode_code(self.mode)
-        if self.upload_frac is not None:
-            params.upload_frac = float(self.upload_frac)
-        if self.max_batch is not None:
-            params.max_batch = self.max_batch
-        if self.reserve_mib is not None:
-            params.reserve_mib = self.reserve_mib
+        for name, value in (("profile", config.profile), ("model_path", model_path)):
+            if value is not None:
+                text = ffi.new("char[]", str(value).encode())
+                keep.append(text)
+                setattr(params, name, text)
+        if config.policy is not None:
+            params.policy = policy_kind(config.policy)
+        if config.gate is not None:
+            params.gate = gate_code(config.gate)
+        if config.mode is not None:
+            params.mode = mode_code(config.mode)
+        if config.upload_frac is not None:
+            # the C API's 0 is the default, "no budget" is negative
+            params.upload_frac = float(config.upload_frac) if config.upload_frac > 0 else -1.0
+        if config.max_batch is not None:
+            params.max_batch = config.max_batch
+        if config.reserve_mib is not None:
+            params.reserve_mib = config.reserve_mib
+        params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from pyllamapool.decode import run_context
 from pyllamapool.llama import Context, Model
 from pyllamapool.pool import PoolConfig, PoolConfigError, Policy
+from pyllamapool.tools import tool_path
 from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
 
 SPEC = ModelSpec()
@@ -312,13 +314,10 @@ def test_the_batch_limit_comes_from_the_config_or_the_environment(qwen3_model, r
         steps[name] = ctx.pool_counters().steps
         ctx.close()
     monkeypatch.setenv("LLAMA_MOE_POOL_MAX_BATCH", "lots")
-    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
-    status, lines = ctx.pool_status(), ctx.pool_lines()
-    ctx.close()
+    with pytest.raises(PoolConfigError, match="LLAMA_MOE_POOL_MAX_BATCH=lots is invalid"):
+        Context(model, pool=PoolConfig(slots=8, device_mib=65536))
     model.close()
     assert steps == {"default": 2, "config": 1, "env": 1}
-    assert not status.enabled and status.reason == "invalid-config"
-    assert any("LLAMA_MOE_POOL_MAX_BATCH=lots is invalid" in l for l in lines)
     with pytest.raises(PoolConfigError, match="max_batch=0 is invalid"):
         PoolConfig(slots=8, max_batch=0).validate()
 
@@ -440,7 +439,7 @@ def test_a_device_size_list_from_the_environment_must_match_too(qwen3_model, rpc
     monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536,65536")
     statuses, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=4))
     assert statuses[0].reason == "invalid-config"
-    assert "LLAMA_MOE_POOL_DEVICE_MIB has 2 values but the model uses 1 device" in caplog.text
+    assert "device_mib has 2 values but the model uses 1 device" in caplog.text
 
 
 def test_a_second_context_on_the_model_counts_the_first_ones_pool(qwen3_model, rpc_server):
@@ -473,18 +472,19 @@ def test_a_draft_context_gets_no_pool_and_the_target_keeps_its_own(qwen3_model, 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
                                        ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru"),
                                        ("LLAMA_MOE_POOL_GATE", "on"), ("LLAMA_MOE_POOL_MODE", "turbo")])
-def test_bad_environment_values_disable_the_pool_naming_the_variable(qwen3_model, rpc_server, monkeypatch, caplog,
-                                                                      var, value):
+def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, monkeypatch, var, value):
+    """The Python layer and llama.cpp's tools (common) read the same knobs, and refuse the same values
+    before anything is loaded; libllama itself reads no environment."""
     monkeypatch.setenv(var, value)
-    statuses, lines, counters, _ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(slots=8))
-    assert not statuses[0].enabled and statuses[0].reason == "invalid-config"
-    assert var in caplog.text
+    with pytest.raises(PoolConfigError, match=f"{var}={value} is invalid"):
+        PoolConfig(slots=8).with_environment()
+    result = subprocess.run([str(tool_path("llama-server")), "-m", str(qwen3_model), "-mec", "8"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and var in result.stderr and repr(value)[1:-1] in result.stderr
     if var == "LLAMA_MOE_POOL_POLICY":
-        assert "expected lru or adaptive" in caplog.text
+        assert "expected lru or adaptive" in result.stderr
     if var == "LLAMA_MOE_POOL_GATE":
-        assert "expected off or yield" in caplog.text
-    if var == "LLAMA_MOE_POOL_MODE":
-        assert "LLAMA_MOE_POOL_MODE=turbo is not a mode: expected copy or hybrid" in caplog.text
+        assert "expected off or yield" in result.stderr
 
 
 def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch):

@@ -31,6 +31,8 @@ def sanitizer_env(preload: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYLLAMAPOOL_", "LLAMA_MOE_POOL_", "GGML_MOE_POOL"))}
     # Python itself leaks by design at exit: leak checking is for the ctest only
     env["ASAN_OPTIONS"] = f"detect_leaks={0 if preload else 1}:abort_on_error=1:strict_string_checks=1"
+    # the ctest ends normally, so leaks are checked at its exit; ggml-rpc's registries live for the process
+    env["LSAN_OPTIONS"] = f"suppressions={ROOT / 'tests' / 'lsan.supp'}:print_suppressions=0"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
     if preload:
         runtimes = [subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True, text=True,

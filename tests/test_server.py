@@ -181,6 +181,21 @@ def test_server_rejects_bad_slot_counts_naming_the_value(qwen3_model, flag):
     assert "invalid slot count 'x'" in result.stderr + result.stdout
 
 
+def test_server_uploads_repacked_experts_from_the_model_file(make_model, rpc_server, monkeypatch):
+    """The CPU repacks Q4_0 experts into a layout of its own; common hands libllama the model's path,
+    so the pool uploads those experts from the file instead of leaving the layers on the CPU."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    model = make_model(expert_type="Q4_0")
+    with llama_server(model, "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "4",
+                      "--moe-pool-mode", "copy", "-v") as (port, lines):
+        assert complete(port, PROMPTS[0], 8)["content"]
+    text = "".join(lines)
+    assert "CPU_REPACK model buffer size" in text, "nothing was repacked: the test would not test the file path"
+    assert "expert pool status=enabled" in text and "reason=repacked" not in text
+    runtime = [l for l in lines if "expert pool runtime" in l]
+    assert runtime and int(runtime[0].split(" uploads=")[1].split()[0]) > 0
+
+
 def test_server_takes_the_slot_count_from_the_environment_and_a_list_per_device(qwen3_model, rpc_servers,
                                                                                  monkeypatch):
     servers = rpc_servers(2)
