@@ -148,3 +148,12 @@ def test_the_system_cxx_runtime_serves_libllama_before_any_backend_copy():
             "print('global')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "global" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_pool_params_hold_one_value_per_device_llama_cpp_supports():
+    """The pool's per-device lists (slots, device sizes) are fixed arrays so that the params struct
+    is self-contained when common and Python copy it; their length is llama.cpp's device limit."""
+    ffi, lib, _ = _ffi.load()
+    from pyllamapool.pool import MAX_DEVICES
+    params = ffi.new("struct llama_moe_pool_params *")
+    assert len(params.slots) == len(params.device_mib) == MAX_DEVICES == lib.llama_max_devices()
