@@ -32,6 +32,13 @@ def server_for(endpoint: str) -> "RpcServer | None":
     return _running.get(endpoint)
 
 
+def mark_stopped(endpoint: str) -> None:
+    """Record that an endpoint this process used no longer serves (one not started through RpcServer,
+    e.g. a test's proxy): device listings then skip it instead of querying it."""
+    _running.pop(endpoint, None)
+    _stopped.add(endpoint)
+
+
 def stopped_here(endpoint: str) -> bool:
     """Whether this process stopped the server at endpoint (and started none there since)."""
     return endpoint in _stopped

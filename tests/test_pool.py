@@ -11,6 +11,7 @@ from pyllamapool.decode import run_context
 from pyllamapool.llama import Context, Model
 from pyllamapool.pool import PoolConfig, PoolConfigError, Policy
 from pyllamapool.tools import tool_path
+from rpc_fault import AllocRefusingProxy
 from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
 
 SPEC = ModelSpec()
@@ -725,24 +726,31 @@ def test_expert_biases_and_scales_travel_with_their_weights(archs_model, rpc_ser
     assert identical(result, ref)
 
 
-def test_a_failed_allocation_releases_every_pool_and_decode_goes_on(qwen3_model, rpc_servers, monkeypatch, caplog):
-    servers = rpc_servers(2)
-    model = Model(qwen3_model, n_gpu_layers=99, rpc=[s.endpoint for s in servers], n_cpu_moe=99)
-    probe = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
-    second = probe.pool_status(1).device
-    probe.close()
-    # the first device allocates, the second fails: all or none
-    monkeypatch.setenv("GGML_MOE_POOL_FAIL_ALLOC", second)
-    ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
-    status = ctx.pool_status()
-    assert not status.enabled and status.reason == "alloc-failed"
-    assert not any(r.pool for r in ctx.memory())
-    assert "all pool memory released" in caplog.text and second in caplog.text
-    ctx.decode([1, 2, 3])
-    ctx.decode([4])
-    assert ctx.pool_counters().lookups == 0
-    ctx.close()
-    model.close()
+def test_a_failed_allocation_releases_every_pool_and_decode_goes_on(qwen3_model, rpc_servers, caplog):
+    """The second device refuses the pool's buffer as a device out of memory does (a proxy in front of
+    its RPC server answers that one allocation itself): the first device's pool is released too."""
+    first, second = rpc_servers(2)
+    proxy = AllocRefusingProxy(second.endpoint)
+    try:
+        model = Model(qwen3_model, n_gpu_layers=99, rpc=[first.endpoint, proxy.endpoint], n_cpu_moe=99)
+        probe = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+        planned = probe.pool_status(1)
+        probe.close()
+        assert planned.enabled and planned.bytes > 0
+        proxy.refuse = lambda size: size == planned.bytes
+        ctx = Context(model, pool=PoolConfig(slots=8, device_mib=65536))
+        status = ctx.pool_status()
+        assert proxy.refused == [planned.bytes]
+        assert not status.enabled and status.reason == "alloc-failed"
+        assert not any(r.pool for r in ctx.memory())
+        assert "all pool memory released" in caplog.text and planned.device in caplog.text
+        ctx.decode([1, 2, 3])
+        ctx.decode([4])
+        assert ctx.pool_counters().lookups == 0
+        ctx.close()
+        model.close()
+    finally:
+        proxy.close()
 
 
 # --------------------------------------------------------------------------------------------
