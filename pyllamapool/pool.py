@@ -157,6 +157,7 @@ class PoolConfig:
         """This config with the fields left at None taken from the environment (ENVIRONMENT), as
         llama.cpp's tools do; a value that is not valid raises PoolConfigError naming the variable."""
         environ = os.environ if environ is None else environ
+        self.validate()  # a problem of the config's own is not the environment's
         updates = {}
         for name, var in ENVIRONMENT.items():
             text = environ.get(var)

@@ -57,13 +57,14 @@ class AllocRefusingProxy:
 
     @staticmethod
     def _read(sock: socket.socket, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
+        data = bytearray(n)
+        view, got = memoryview(data), 0
+        while got < n:
+            read = sock.recv_into(view[got:])
+            if not read:
                 raise ConnectionError("closed")
-            data += chunk
-        return data
+            got += read
+        return bytes(data)
 
     def _requests(self, client: socket.socket, server: socket.socket, lock: threading.Lock) -> None:
         try:
