@@ -3,6 +3,9 @@
 Through llama.cpp's RPC backend the server is a separate device with its own buffers, reached over
 loopback as a GPU is over PCIe: run layers there with `--rpc ENDPOINT -ngl 99`, keep experts on the
 host with `--n-cpu-moe`, and an expert pool lives on that device. Only 127.0.0.1 is ever bound.
+
+On Linux a server dies with the process that started it, also when that process aborts or is
+killed (pyllamapool.childproc: the parent-death signal).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .childproc import popen_tied
 from .errors import PyllamapoolError
 from .tools import tool_path
 
@@ -115,7 +119,9 @@ class RpcServer:
         stdbuf = shutil.which("stdbuf")
         if stdbuf:
             argv = [stdbuf, "-oL", "-eL", *argv]
-        self._proc = subprocess.Popen(
+        # tied to this process: an abort or a SIGKILL here must not leave the server holding its
+        # port and memory
+        self._proc = popen_tied(
             argv,
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
