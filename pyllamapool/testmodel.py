@@ -290,7 +290,16 @@ def write_dense_model(path: Path, seed: int = 0, n_layer: int = 2, n_embd: int =
     return Path(path)
 
 
-_EXPERT_AXIS_TENSOR = re.compile(r"^blk\.\d+\.(ffn_\w+_exps\.\w+|ffn_gate_inp\.(weight|bias))$")
+#: tensors with one entry per routed expert along their outermost axis: the experts' own weights,
+#: biases and scales (ffn_{gate,up,down,gate_up}_exps), the router's rows and bias (ffn_gate_inp), and
+#: the selection bias added to the router's scores before top-k (exp_probs_b; hy_v3 names it without
+#: `.bias`, deepseek4 has a second one, exp_probs_b_vl, for image input). llama.cpp checks every one of
+#: them against expert_count, so a widened model must widen them all. (arctic's ffn_norm_exps is one
+#: norm for the expert path, not per expert.)
+_EXPERT_AXIS_TENSOR = re.compile(
+    r"^blk\.\d+\.(ffn_(gate|up|down|gate_up)_exps\.\w+|ffn_gate_inp\.(weight|bias)|exp_probs_b(_vl)?(\.bias)?)$")
+#: grovemoe's chunk experts (ffn_*_chexps): one per group of experts_per_group routed experts
+_CHUNK_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_chexps\.\w+$")
 
 
 def _copy_fields(reader, writer, arch: str, override: dict | None = None) -> None:
@@ -328,11 +337,27 @@ def without_tensors(src: str | Path, dst: str | Path, pattern: str) -> Path:
     return Path(dst)
 
 
+def _widened(data: np.ndarray, width: int, rng: np.random.Generator, is_scale: bool) -> np.ndarray:
+    """data (outermost axis: one entry per expert) with entries appended up to `width`."""
+    extra = width - data.shape[0]
+    if is_scale:  # scales multiply outputs: keep their magnitude and sign
+        new = data[rng.integers(data.shape[0], size=extra)] * (1.0 + 0.1 * rng.standard_normal((extra,) + data.shape[1:]))
+    elif float(data.std()) == 0.0:
+        # a constant tensor (a selection bias of zeros, say) has no spread to draw from: the new
+        # experts get the same constant, so they route as the old ones do
+        new = np.full((extra,) + data.shape[1:], float(data.flat[0]) if data.size else 0.0)
+    else:
+        new = rng.standard_normal((extra,) + data.shape[1:]) * float(data.std()) + float(data.mean())
+    return np.concatenate([data, new.astype(np.float32)])
+
+
 def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0) -> Path:
     """Copy an F32 MoE GGUF (e.g. one of llama.cpp's test-llama-archs models, which have two experts)
     with n_expert experts: the existing experts are kept, the new ones are drawn with the spread of the
-    old ones (router rows, weights, biases; per-expert scales are the old ones, jittered), so a pool
-    smaller than the layer has something to evict. Every other tensor and key is copied unchanged."""
+    old ones (router rows and biases, selection biases, weights, biases; per-expert scales are the old
+    ones, jittered), so a pool smaller than the layer has something to evict. Chunk experts (grovemoe:
+    one per experts_per_group experts) grow in proportion. Every other tensor and key is copied
+    unchanged."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -340,20 +365,27 @@ def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0
     old = int(reader.fields[f"{arch}.expert_count"].contents())
     if n_expert <= old:
         raise PyllamapoolError(f"widen_experts: {src} has {old} experts; asked for {n_expert}, which is not more")
+    group_field = reader.fields.get(f"{arch}.experts_per_group")
+    group = int(group_field.contents()) if group_field is not None else 1
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(dst), arch)
     _copy_fields(reader, writer, arch, {f"{arch}.expert_count": n_expert})
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         if _EXPERT_AXIS_TENSOR.match(tensor.name):
-            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or data.shape[0] != old:
-                raise PyllamapoolError(f"widen_experts: {tensor.name} is not an F32 array of {old} experts")
-            extra = n_expert - old
-            if tensor.name.endswith("scale"):  # scales multiply outputs: keep their magnitude and sign
-                new = data[rng.integers(old, size=extra)] * (1.0 + 0.1 * rng.standard_normal((extra,) + data.shape[1:]))
-            else:
-                new = rng.standard_normal((extra,) + data.shape[1:]) * float(data.std() or 0.1) + float(data.mean())
-            data = np.concatenate([data, new.astype(np.float32)])
+            width_old, width_new = old, n_expert
+        elif _CHUNK_EXPERT_TENSOR.match(tensor.name):
+            if group < 1 or n_expert % group:
+                raise PyllamapoolError(f"widen_experts: {tensor.name} holds one expert per {group} experts; "
+                                       f"{n_expert} experts do not divide into groups of {group}")
+            width_old, width_new = old // group, n_expert // group
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+            continue
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or data.shape[0] != width_old:
+            raise PyllamapoolError(f"widen_experts: {tensor.name} is not an F32 array of {width_old} experts "
+                                   f"(type {tensor.tensor_type.name}, shape {tuple(data.shape)})")
+        data = _widened(data, width_new, rng, tensor.name.endswith("scale"))
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -70,6 +71,66 @@ def test_widening_keeps_every_expert_and_tensor_and_adds_new_experts(tmp_path):
         widen_experts(f32, tmp_path / "narrow.gguf", 8)
 
 
+def per_expert_tensors(path) -> dict[str, tuple[int, ...]]:
+    """Tensors with one entry per routed expert (outermost axis), by name: the experts' weights,
+    biases and scales, the router's rows and bias, the selection bias added before top-k."""
+    import re
+
+    import gguf
+
+    pattern = re.compile(r"\.(ffn_(gate|up|down|gate_up)_exps\.\w+|ffn_gate_inp\.(weight|bias)|exp_probs_b(_vl)?(\.bias)?)$")
+    return {t.name: tuple(np.array(t.data).shape) for t in gguf.GGUFReader(str(path)).tensors
+            if pattern.search(t.name)}
+
+
+def test_widening_a_model_with_a_selection_bias_widens_it_and_zeros_stay_zeros(tmp_path):
+    """glm4moe routes by sigmoid scores plus a per-expert selection bias (exp_probs_b, zeros here):
+    llama.cpp checks its width against expert_count like the experts'."""
+    import gguf
+
+    from pyllamapool.testmodel import widen_experts
+
+    src = write_model(ModelSpec(arch="glm4moe", expert_type="F32"), tmp_path / "glm.gguf")
+    wide = widen_experts(src, tmp_path / "wide.gguf", 24, seed=3)
+    shapes = per_expert_tensors(wide)
+    assert any(".exp_probs_b" in n for n in shapes)
+    assert all(shape[0] == 24 for shape in shapes.values()), shapes
+    biases = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(wide)).tensors if "exp_probs_b" in t.name}
+    assert biases and all(not b.any() for b in biases.values())
+    model = Model(wide)
+    assert model.n_expert == 24
+    model.close()
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "dots1", "ernie4_5-moe", "mistral4",
+                                  "hy_v3",        # exp_probs_b without `.bias`
+                                  "deepseek4"])   # and exp_probs_b_vl
+def test_a_widened_test_llama_archs_model_has_every_per_expert_tensor_at_the_new_width(archs_source, tmp_path,
+                                                                                     arch):
+    """These architectures carry a random selection bias besides the router: every per-expert
+    tensor grows to the new width, the old experts' entries are kept, and llama.cpp (which refuses
+    a tensor of the wrong shape) loads the result with the new expert count."""
+    import gguf
+
+    from pyllamapool.testmodel import widen_experts
+
+    src = archs_source(arch)
+    wide = widen_experts(src, tmp_path / f"{arch}-8.gguf", 8, seed=1)
+    before, after = per_expert_tensors(src), per_expert_tensors(wide)
+    assert set(before) == set(after) and any(".exp_probs_b" in n for n in after), sorted(after)
+    assert all(shape[0] == 2 for shape in before.values()), before
+    assert all(after[n] == (8,) + before[n][1:] for n in before), after
+    old = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(src)).tensors if t.name in before}
+    new = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(wide)).tensors if t.name in before}
+    for name, data in old.items():
+        assert np.array_equal(new[name][:2], data), name
+        if data.std() > 0:  # drawn with the old entries' spread: not a copy of them
+            assert not np.array_equal(new[name][2:4], data), name
+    model = Model(wide)   # on the CPU: the shapes are what is tested here
+    assert model.n_expert == 8
+    model.close()
+
+
 def test_the_suite_runs_with_its_own_cache_and_no_user_overrides():
     import os
     from pathlib import Path
@@ -132,6 +193,24 @@ def test_rpc_server_starts_on_loopback_and_stops_by_pid():
         server.stop()
     assert not server.running
     server.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_an_rpc_server_dies_with_a_parent_that_aborts():
+    """A parent that aborts (a ggml assertion, say) runs no cleanup: the server goes anyway, by the
+    parent-death signal, instead of holding its port and memory."""
+    from procs import kill_if_alive, run_aborting_parent, wait_gone
+
+    pids = run_aborting_parent(
+        "import os\n"
+        "from pyllamapool.rpc import start_rpc_server\n"
+        "server = start_rpc_server()\n"
+        "print(server.pid, flush=True)\n"
+        "os.abort()\n")
+    try:
+        assert wait_gone(pids[0], timeout_s=5), f"ggml-rpc-server {pids[0]} outlived its aborted parent"
+    finally:
+        kill_if_alive(pids)
 
 
 def test_rpc_devices_are_never_taken_for_the_builds_own_gpus(qwen3_model, rpc_server):
