@@ -146,6 +146,33 @@ def add_rpc_server(endpoint: str):
     return lib.ggml_backend_reg_dev_get(_rpc_regs[endpoint], 0)
 
 
+#: the lazy-copy test device's library (tests/ggml-lazy-copy.cpp of the patched tree) and its
+#: backend's registered name
+LAZY_COPY_LIBRARY = "libggml-lazy-copy.so"
+LAZY_COPY_REG = "LAZY"
+_lazy_reg: list = []
+
+
+def lazy_copy_device():
+    """The lazy-copy test device (loaded once per process): a GPU-like device whose copies and
+    graphs run only when it is synchronized or an event is waited on, reading their sources then,
+    as a DMA engine does. A host buffer reused, or a table published, before the device read it
+    gives a wrong result on it, where the synchronous RPC device cannot tell."""
+    ffi, lib = backend()
+    if not _lazy_reg:
+        path = _ffi.locate().lib_dir / LAZY_COPY_LIBRARY
+        if not path.exists():
+            raise PyllamapoolError(f"the lazy-copy test device {path} is not built "
+                                   "(python build.py --target cpu builds it)")
+        with logs.capture() as lines:
+            reg = lib.ggml_backend_load(str(path).encode())
+        if reg == ffi.NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
+            raise PyllamapoolError(f"could not load the lazy-copy test device {path}: "
+                                   + ("; ".join(logs.errors_in(lines)[-3:]) or "no reason logged"))
+        _lazy_reg.append(reg)
+    return lib.ggml_backend_reg_dev_get(_lazy_reg[0], 0)
+
+
 def local_gpus() -> list:
     """This build's own GPUs (CUDA, HIP, Vulkan; never RPC devices), as llama.cpp picks them when a
     model names no devices: the discrete ones, or the integrated ones when there is none."""
@@ -154,8 +181,9 @@ def local_gpus() -> list:
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         kind = int(lib.ggml_backend_dev_type(dev))
-        if ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))) == b"RPC":
-            continue
+        if ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))) in (
+                b"RPC", LAZY_COPY_REG.encode()):
+            continue  # test devices join a model only when it names them
         if kind == lib.GGML_BACKEND_DEVICE_TYPE_GPU:
             gpus.append(dev)
         elif kind == lib.GGML_BACKEND_DEVICE_TYPE_IGPU:
@@ -206,12 +234,13 @@ def check_gguf(path: Path) -> None:
 
 
 class Model:
-    """A loaded GGUF model. rpc: endpoints whose devices take the offloaded layers, in order."""
+    """A loaded GGUF model. rpc: endpoints whose devices take the offloaded layers, in order;
+    lazy_copy: the lazy-copy test device takes them (before any RPC device)."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, rpc: Sequence[str] = (),
                  n_cpu_moe: int = 0, cpu_moe: bool = False,
                  cpu_overrides: Sequence[str] = (), use_mmap: bool = True, repack: bool = True,
-                 no_alloc: bool = False):
+                 no_alloc: bool = False, lazy_copy: bool = False):
         ffi, lib = backend()
         self.path = Path(path)
         check_gguf(self.path)
@@ -228,7 +257,7 @@ class Model:
         # Always pass an explicit device list: RPC devices registered for an earlier model in this
         # process must not silently join this one. The build's own GPUs come after this model's RPC
         # devices, as in llama.cpp's default list.
-        devs = [add_rpc_server(ep) for ep in rpc] + local_gpus()
+        devs = ([lazy_copy_device()] if lazy_copy else []) + [add_rpc_server(ep) for ep in rpc] + local_gpus()
         dev_array = ffi.new("ggml_backend_dev_t[]", [*devs, ffi.NULL])
         self._keep.append(dev_array)
         params.devices = dev_array

@@ -295,6 +295,8 @@ class PoolInfo:
     slot_bytes: int
     slots_alloc: int   # slots allocated on the device: `slots` plus never-used padding
     from_file: bool    # the host copy is repacked for the CPU: misses are read from the model file
+    mode: str = "copy"  # the mode this pool's layer runs: "copy" or "hybrid"
+    reason: str = ""    # why it runs copy mode where hybrid was asked for ("weight-before-ffn", ...)
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,8 @@ def pools(ctx_handle) -> list[PoolInfo]:
         lib.llama_moe_pool_get_info(ctx_handle, i, out)
         result.append(PoolInfo(i, out.layer, out.device, out.slots, out.n_expert,
                                ffi.string(out.tensor).decode(), out.slot_bytes, out.slots_alloc,
-                               bool(out.from_file)))
+                               bool(out.from_file), ffi.string(out.mode).decode(),
+                               ffi.string(out.reason).decode()))
     return result
 
 

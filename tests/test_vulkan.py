@@ -92,3 +92,19 @@ def test_a_prompt_batch_copies_the_experts_the_pool_holds_from_its_slots(qwen3_m
     assert r["bypassed"] == 1 and r["evictions_in_prefill"] == 0, r
     assert r["prefill_device_bytes"] > 0 and r["prefill_host_bytes"] > 0, r
     assert r["pooled_equals_host_copy"], r
+
+
+def test_the_scheduler_waits_for_vulkans_queued_copies_of_host_memory():
+    """Upstream #23321 on a real Vulkan queue: with the CPU's compute buffer in Vulkan's pinned host
+    memory, Vulkan copies a host input with a queued command; the next CPU split without inputs is
+    given that memory. Before the fix the device read the overwritten value in most runs; it must
+    read the first value in every one (the test runs each case ten times)."""
+    tool = ROOT / "build" / "vulkan" / "bin" / "test-sched-input-reuse"
+    assert tool.exists(), "the Vulkan build lacks test-sched-input-reuse: python build.py --target vulkan ..."
+    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": "0"}
+    result = subprocess.run([str(tool)], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "Vulkan device" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    assert "plain: 10 runs, 0 with a wrong result" in result.stdout, result.stdout[-2000:]
+    assert "pipelined: 10 runs, 0 with a wrong result" in result.stdout, result.stdout[-2000:]
+    assert result.stdout.strip().endswith("ok")

@@ -1,0 +1,106 @@
+"""The expert pool on the lazy-copy test device (tests/ggml-lazy-copy.cpp of the patched tree).
+
+That device behaves as a GPU's queue and DMA engine do: a copy or a graph handed to it runs only
+when the host synchronizes it (or waits on one of its events), and reads its source then. A host
+buffer the pool reuses before the device read it (a staging buffer, the slot table's host copy), a
+slot published before its bytes were queued, or a split that overwrites host memory a queued copy
+still has to read, gives a wrong result here, deterministically, where the synchronous RPC device
+cannot tell. The device computes with ggml-cpu's kernels, so every run must equal the all-resident
+run on the same device bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllamapool.llama import Context, Model, lazy_copy_device
+from pyllamapool.pool import PoolConfig
+from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream
+from test_pool import (BATCH_SHAPES, cpu_repacks_weights, decode, decode_in_batches, decode_sequences,
+                       identical, user_type_model)
+
+SPEC = ModelSpec()
+MODES = ["copy", "hybrid"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lazy_device():
+    try:
+        return lazy_copy_device()
+    except Exception as exc:  # the device is part of every build: its absence is a failure
+        pytest.fail(f"the lazy-copy test device is not available: {exc}")
+
+
+def on_lazy(path, **args) -> Model:
+    return Model(path, n_gpu_layers=99, lazy_copy=True, **args)
+
+
+def resident(path, stream, n_prompt: int = 8):
+    model = on_lazy(path)
+    ref, *_ = decode(model, stream, n_prompt=n_prompt)
+    model.close()
+    return ref
+
+
+def test_the_model_runs_on_the_lazy_device(qwen3_model):
+    """Guards the others: the layers and the pool really are on the lazy device."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    ctx = Context(model, pool=PoolConfig(slots=4, device_mib=65536))
+    status = ctx.pool_status(0)
+    ctx.close()
+    model.close()
+    assert status.enabled and status.device.startswith("LAZY")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_heavy_eviction_is_bit_identical(make_model, stream, mode, expert_type):
+    """Slots at top-k: every step evicts and uploads; with Q4_0 the CPU repacks the host copy and
+    misses are read from the model file into staging, which must outlive the device's read."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
+    repacked = cpu_repacks_weights(model)
+    result, report, status, _ = decode(model, stream, PoolConfig(slots=4, device_mib=65536, mode=mode), n_prompt=1)
+    model.close()
+    c = report.counters
+    assert status.enabled and status.mode == mode
+    assert c.evictions > 0 and c.uploads > 0 and c.device_experts > 0
+    if mode == "hybrid":
+        assert c.cpu_experts > 0
+    if expert_type == "Q4_0" and mode == "copy":
+        assert repacked and all(info.from_file for info in report.pools)
+    assert identical(result, ref), f"{mode} {expert_type}: the logits changed"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_of_every_shape_are_bit_identical(qwen3_model, mode):
+    """Batches of 1 to 512 tokens; the device's offload rule takes batches of 32 and more through
+    the scheduler's host-copy path, which reads the experts the pool holds from its slots."""
+    tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
+    ref_model = on_lazy(qwen3_model)
+    ref, *_ = decode_in_batches(ref_model, None, tokens)
+    ref_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    got, _, c = decode_in_batches(model, PoolConfig(slots=8, device_mib=65536, mode=mode), tokens)
+    model.close()
+    for n, a, b in zip(BATCH_SHAPES, ref, got):
+        assert np.array_equal(a, b), f"{mode}: the {n}-token batch changed the logits"
+    assert c.steps > 0 and c.uploads > 0
+    assert c.prefill_device_bytes > 0, "no offloaded batch read an expert from the slots"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_sequences_in_one_batch_are_bit_identical(qwen3_model, stream, mode):
+    seqs = [stream[:36], stream[36:72]]
+    ref_model = on_lazy(qwen3_model)
+    ref, _ = decode_sequences(ref_model, None, seqs, n_prompt=4)
+    ref_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    # copy mode pools a step when 2 x top-4 experts fit its slots; hybrid mode any step
+    slots = 8 if mode == "copy" else 6
+    got, counters = decode_sequences(model, PoolConfig(slots=slots, device_mib=65536, mode=mode), seqs, n_prompt=4)
+    model.close()
+    assert counters.steps > 0 and counters.evictions > 0
+    for r, g in zip(ref, got):
+        assert all(np.array_equal(a, b) for a, b in zip(r, g))
