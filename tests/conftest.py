@@ -84,6 +84,37 @@ def rpc_servers():
         server.close()
 
 
+@pytest.fixture(scope="session")
+def archs_source(tmp_path_factory):
+    """archs_source(arch) -> the MoE model test-llama-archs writes for arch (two experts, top-2)."""
+    from archmodels import MOE_SUFFIX, generate
+
+    out = tmp_path_factory.mktemp("archs")
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = generate(out, arch) / f"{arch}{MOE_SUFFIX}"
+            assert made[arch].exists(), f"test-llama-archs wrote no MoE model for {arch}"
+        return made[arch]
+    return make
+
+
+@pytest.fixture(scope="session")
+def archs_model(archs_source):
+    """archs_model(arch) -> a random model of that arch from test-llama-archs, widened to 8 experts."""
+    from pyllamapool.testmodel import widen_experts
+
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            src = archs_source(arch)
+            made[arch] = widen_experts(src, src.with_name(f"{arch}-moe-8.gguf"), 8)
+        return made[arch]
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _clean_pool_env(monkeypatch):
     # the pool's environment knobs must not leak from the developer's shell into tests

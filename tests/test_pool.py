@@ -670,28 +670,6 @@ def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rp
 # leaves a pool nothing to evict; they are widened to eight, top-k stays two.
 
 
-@pytest.fixture(scope="module")
-def archs_model(tmp_path_factory):
-    """archs_model(arch) -> a random model of that arch from test-llama-archs, widened to 8 experts."""
-    import subprocess
-    from pathlib import Path
-
-    from pyllamapool.testmodel import widen_experts
-
-    tool = Path(__file__).resolve().parent.parent / "build" / "cpu" / "bin" / "test-llama-archs"
-    assert tool.exists(), "test-llama-archs is built by `python build.py --target cpu`"
-    out = tmp_path_factory.mktemp("archs")
-    made = {}
-
-    def make(arch: str) -> Path:
-        if arch not in made:
-            subprocess.run([str(tool), "-a", arch, "-s", "7", "-o", str(out)], check=True, capture_output=True,
-                           timeout=300)
-            made[arch] = widen_experts(out / f"{arch}-moe.gguf", out / f"{arch}-moe-8.gguf", 8)
-        return made[arch]
-    return make
-
-
 @pytest.mark.parametrize("arch, weights, extras", [
     ("cohere2moe", {"ffn_gate_up_exps", "ffn_down_exps"}, {"ffn_down_exps.scale"}),
     ("gpt-oss", {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"},
@@ -1052,3 +1030,50 @@ def test_hybrid_warm_starts_from_the_experts_the_prompt_selected(qwen3_model, rp
     assert after_prefill.uploads == 0  # nothing yet: the prompt's last micro-batch counts too
     assert first.uploads > 0  # the warm start, before the first decode token
     assert first.steps == 1 and first.device_experts > 0  # the first decode token hits
+
+
+def test_counters_read_from_another_thread_while_decoding_are_whole_steps(qwen3_model, rpc_server, stream):
+    """A monitor thread reads (and once resets) the counters while the main thread decodes: every read
+    is a consistent snapshot of finished micro-batches (hits + misses = lookups, one lookup set per
+    layer and step, never going backwards between resets), and the last read equals what the
+    decoding thread sees at the end."""
+    import threading
+
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"))
+    reads, done = [], threading.Event()
+
+    def monitor():
+        reset_done = False
+        while not done.is_set() and len(reads) < 20000:
+            c = ctx.pool_counters()
+            reads.append(c)
+            if not reset_done and c.steps >= 10:
+                ctx.pool_reset()
+                reads.append(None)  # a reset: the counts start again from zero
+                reset_done = True
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        ctx.decode(stream[:1])
+        for token in stream[1:60]:
+            ctx.decode([token])
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    final = ctx.pool_counters()
+    ctx.close()
+    model.close()
+    assert not thread.is_alive() and None in reads and len(reads) > 20
+    prev = None
+    for c in reads:
+        if c is None:
+            prev = None
+            continue
+        assert c.hits + c.misses == c.lookups
+        assert c.device_experts + c.cpu_experts == c.lookups
+        if prev is not None:
+            assert c.lookups >= prev.lookups and c.steps >= prev.steps
+        prev = c
+    assert final.steps > 0 and final.lookups >= prev.lookups
