@@ -65,3 +65,13 @@ def test_pooled_decode_is_clean_under_sanitizers():
                             capture_output=True, text=True, timeout=1800, cwd=ROOT, env=sanitizer_env(True))
     assert_clean(result)
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_pooled_decode_on_the_lazy_copy_device_is_clean_under_sanitizers():
+    """Both modes with their copies and graphs deferred to synchronize: a queued copy whose host
+    source was freed before the device read it is a use after free here."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                             str(ROOT / "tests" / "test_lazy_device.py"), "-k", "heavy or two_sequences"],
+                            capture_output=True, text=True, timeout=1800, cwd=ROOT, env=sanitizer_env(True))
+    assert_clean(result)
+    assert " passed" in result.stdout and " failed" not in result.stdout
