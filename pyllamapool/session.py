@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 from .decode import RunResult, run_context
 from .errors import PyllamapoolError
-from .llama import Context, Sampler, devices
+from .llama import Context, Sampler, local_gpus
 from .offload import Offload
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
 
@@ -102,5 +102,6 @@ class PoolSession:
 
 
 def has_accelerator() -> bool:
-    """A GPU other than an RPC device (the build has CUDA, HIP or Vulkan and sees a card)."""
-    return any(d.kind in ("gpu", "igpu") and not d.name.startswith("RPC") for d in devices())
+    """A GPU of this build's own (CUDA, HIP or Vulkan sees a card): test devices (RPC, the lazy-copy
+    device, once a test has loaded it) do not count."""
+    return bool(local_gpus())
