@@ -59,7 +59,7 @@ class Series:
         return [self.directory / name for name in self.names]
 
     def digest(self, pin: Pin) -> str:
-        h = hashlib.sha256(f"{pin.commit}\n{pin.sdist_sha256}\n".encode())
+        h = hashlib.sha256(f"{pin.ref}\n{pin.sdist_sha256}\n".encode())
         for path in self.files():
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
         return h.hexdigest()
@@ -79,10 +79,14 @@ def baseline_commit(tree: Path, runner: Runner) -> str:
 
 
 def init_baseline(tree: Path, pin: Pin, runner: Runner) -> None:
-    runner.note(f"make {tree} a git repository; first commit = pristine {pin.upstream}@{pin.short_commit}")
+    runner.note(f"make {tree} a git repository; first commit = pristine {pin.upstream}@{pin.short_ref}")
     env = {"GIT_AUTHOR_DATE": _BASELINE_DATE, "GIT_COMMITTER_DATE": _BASELINE_DATE}
-    message = (f"llama.cpp {pin.commit}\n\nPristine {pin.upstream}@{pin.commit}, as vendored by the "
+    message = (f"llama.cpp {pin.ref}\n\nPristine {pin.upstream}@{pin.ref}, as vendored by the "
                f"{pin.sdist_requirement} sdist\n(sha256 {pin.sdist_sha256}).\n")
+    hotfixes = [f"- {fix.path}: {fix.why} ({'reverted' if fix.action == 'revert' else 'kept'})"
+                for fix in pin.hotfixes]
+    if hotfixes:
+        message += "\nThe sdist packager's hotfixes:\n" + "\n".join(hotfixes) + "\n"
     for argv in (["init", "-q", "-b", "main"], ["add", "-A", "-f"],
                  ["commit", "-q", "--no-verify", "-m", message]):
         runner.run(["git", *_STABLE_GIT, *argv], cwd=tree, env={**_GIT_ENV, **env}, capture=True,
@@ -229,7 +233,7 @@ def write_stamp(tree: Path, pin: Pin, series: Series, runner: Runner, root: Path
         return
     head = git(tree, "rev-parse", "HEAD", runner=runner).stdout.strip()
     paths.stamp_file(root).write_text(json.dumps(
-        {"commit": pin.commit, "sdist_sha256": pin.sdist_sha256, "series_digest": series.digest(pin),
+        {"ref": pin.ref, "sdist_sha256": pin.sdist_sha256, "series_digest": series.digest(pin),
          "head": head}, indent=2) + "\n")
 
 
@@ -251,8 +255,10 @@ def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset:
         write_stamp(tree, pin, series, runner, root)
         return tree
     stamp = read_stamp(root)
-    if stamp.get("commit") not in (None, pin.commit):
-        raise PatchError(f"{tree} holds upstream {stamp['commit'][:9]}, the pin says {pin.short_commit}; "
+    # stamps written before the pin named a release tag call it "commit"
+    held = stamp.get("ref", stamp.get("commit"))
+    if held not in (None, pin.ref):
+        raise PatchError(f"{tree} holds upstream {held[:9]}, the pin says {pin.short_ref}; "
                          f"run `python build.py prepare --reset` to recreate it")
     if stamp.get("series_digest") == digest:
         runner.note(f"{tree} already holds the pinned tree + {len(series.names)} patches")

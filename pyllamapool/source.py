@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from . import paths
 from .errors import SourceError
-from .pin import Pin
+from .pin import Hotfix, Pin
 from .runner import Runner
 
 
@@ -52,7 +52,7 @@ def fetch_sdist(pin: Pin, runner: Runner) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        runner.note(f"downloading {pin.sdist_requirement} (sdist, ~75 MB)")
+        runner.note(f"downloading {pin.sdist_requirement} (sdist, tens of MB)")
         result = runner.run([*argv, tmp], capture=True, check=False)
         if result.returncode != 0:
             raise SourceError(f"pip download of {pin.sdist_requirement} failed:\n"
@@ -88,10 +88,42 @@ def extract_sdist(sdist: Path, pin: Pin, dest: Path, runner: Runner) -> None:
                         tar.extract(member, staging, filter="data")
                     progress.advance(task)
             _drop_dangling_git_pointer(staging)
+            for fix in pin.hotfixes:
+                undo_hotfix(staging, fix, runner)
             staging.rename(dest)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a file's content (`git hash-object`), without needing git."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def undo_hotfix(tree: Path, fix: Hotfix, runner: Runner) -> None:
+    """Check one packager hotfix in the extracted tree and revert it where the pin says so."""
+    path = tree / fix.path
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SourceError(f"the pin names a hotfix in {fix.path}, which the sdist does not have") from None
+    if git_blob_id(data) != fix.sdist_blob:
+        raise SourceError(f"{fix.path} in the sdist is blob {git_blob_id(data)}, the pin expects "
+                          f"{fix.sdist_blob}: the pin's hotfix entry does not describe this sdist")
+    if fix.action == "keep":
+        runner.note(f"keep the packager's hotfix in {fix.path}: {fix.why}")
+        return
+    lines = data.split(b"\n")
+    drop = {n for first, last in fix.drop_lines for n in range(first, last + 1)}
+    if max(drop) > len(lines):
+        raise SourceError(f"{fix.path} has {len(lines)} lines; the pin drops up to line {max(drop)}")
+    pristine = b"\n".join(line for n, line in enumerate(lines, 1) if n not in drop)
+    if git_blob_id(pristine) != fix.pristine_blob:
+        raise SourceError(f"reverting the hotfix in {fix.path} gave blob {git_blob_id(pristine)}, "
+                          f"not the pristine {fix.pristine_blob} the pin names")
+    path.write_bytes(pristine)
+    runner.note(f"revert the packager's hotfix in {fix.path}: {fix.why}")
 
 
 def copy_source(source: Path, dest: Path, runner: Runner) -> None:

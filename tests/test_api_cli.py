@@ -32,11 +32,14 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_the_same_config_twice_gives_identical_tokens_and_counters(qwen3_model, rpc_server, stream):
+    # copy mode: its counters follow from the routing alone. Hybrid's admission weighs measured upload
+    # and CPU times, so which misses it uploads differs from run to run by design
     with PoolSession(qwen3_model, Offload(rpc=(rpc_server.endpoint,), cpu_moe=True)) as session:
-        cfg = PoolConfig(slots=6, device_mib=65536)
+        cfg = PoolConfig(slots=6, device_mib=65536, mode="copy")
         a = session.run(stream[:8], 0, pool=cfg, teacher_tokens=stream[8:])
         b = session.run(stream[:8], 0, pool=cfg, teacher_tokens=stream[8:])
-        other = session.run(stream[:8], 0, pool=PoolConfig(slots=12, device_mib=65536), teacher_tokens=stream[8:])
+        other = session.run(stream[:8], 0, pool=PoolConfig(slots=12, device_mib=65536, mode="copy"),
+                            teacher_tokens=stream[8:])
     assert a.decode.tokens == b.decode.tokens == other.decode.tokens
     assert a.counters == b.counters          # nothing leaks between runs: fresh context, fresh pool
     assert other.counters.misses < a.counters.misses
@@ -290,7 +293,7 @@ def test_info_reports_the_manifest_and_devices():
     result = cli("info", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["manifest"]["upstream_commit"].startswith("0c1e57098")
+    assert data["manifest"]["upstream_ref"] == "b11549"
     assert data["manifest"]["target"] == "cpu"
     assert any(d["kind"] == "cpu" for d in data["devices"])
 

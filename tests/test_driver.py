@@ -29,11 +29,52 @@ def driver(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 # the pin
 
 
-def test_pin_names_the_upstream_commit_and_sdist():
+def test_pin_names_the_upstream_release_and_sdist():
     pin = Pin.load()
-    assert pin.commit == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
-    assert pin.sdist_requirement == "llama-cpp-python==0.3.36"
+    assert pin.ref == "b11549" and pin.build_number == 11549
+    assert pin.sdist_requirement == "xllamacpp==2026.10.11549"
+    assert pin.sdist_subdir == "thirdparty/llama.cpp"
     assert len(pin.sdist_sha256) == 64
+    # every packager hotfix is either reverted (and checked by its pristine blob) or kept with a why
+    assert {fix.action for fix in pin.hotfixes} == {"revert", "keep"}
+    assert all(fix.why and len(fix.sdist_blob) == 40 for fix in pin.hotfixes)
+
+
+def _pin_with(tmp_path: Path, hotfix: str) -> Path:
+    text = paths.pin_file().read_text().split("[[hotfix]]")[0]
+    path = tmp_path / "llama.cpp.pin"
+    path.write_text(text + hotfix)
+    return path
+
+
+def test_a_hotfix_entry_with_a_bad_action_or_line_range_is_refused_by_name(tmp_path):
+    bad_action = _pin_with(tmp_path, '[[hotfix]]\npath = "a"\naction = "patch"\nwhy = "w"\nsdist_blob = "x"\n')
+    with pytest.raises(SourceError, match=r"action 'patch' is not one of revert, keep"):
+        Pin.load(bad_action)
+    bad_range = _pin_with(tmp_path, '[[hotfix]]\npath = "a"\naction = "revert"\nwhy = "w"\nsdist_blob = "x"\n'
+                                    'drop_lines = "9-3"\npristine_blob = "y"\n')
+    with pytest.raises(SourceError, match=r"drop_lines part '9-3' is not FIRST-LAST"):
+        Pin.load(bad_range)
+
+
+def test_a_reverted_hotfix_gives_the_pristine_file_or_the_tree_is_refused(tmp_path):
+    from pyllamapool.pin import Hotfix
+    pristine = b"one\ntwo\nthree\n"
+    shipped = b"one\n#if PACKAGER\ntwo\n#endif\nthree\n"
+    (tmp_path / "f.h").write_bytes(shipped)
+    fix = Hotfix("f.h", "revert", "a packager's guard", source.git_blob_id(shipped), ((2, 2), (4, 4)),
+                 source.git_blob_id(pristine))
+    source.undo_hotfix(tmp_path, fix, Runner())
+    assert (tmp_path / "f.h").read_bytes() == pristine
+    # the same entry against a file that is not what the sdist shipped: refused, naming both blobs
+    with pytest.raises(SourceError, match="the pin's hotfix entry does not describe this sdist"):
+        source.undo_hotfix(tmp_path, fix, Runner())
+    # dropping the wrong lines does not give the pristine blob: refused
+    (tmp_path / "f.h").write_bytes(shipped)
+    wrong = Hotfix("f.h", "revert", "w", fix.sdist_blob, ((1, 1),), fix.pristine_blob)
+    with pytest.raises(SourceError, match="not the pristine"):
+        source.undo_hotfix(tmp_path, wrong, Runner())
+    assert source.git_blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # git's empty blob
 
 
 def test_sdist_with_wrong_sha256_is_refused_with_both_hashes(tmp_path, monkeypatch):
@@ -287,7 +328,7 @@ def test_built_binaries_are_the_patched_runnable_ones(rpc_server):
     assert "--moe-expert-cache" in bench_help.stdout + bench_help.stderr
     assert rpc_server.running and "Starting RPC server" in rpc_server.log_text()
     manifest = read_manifest()
-    assert manifest["upstream_commit"] == Pin.load().commit
+    assert manifest["upstream_ref"] == Pin.load().ref
     assert manifest["series_digest"] == current_series_digest()
 
 
