@@ -1,7 +1,8 @@
 """Every MoE architecture llama.cpp's test-llama-archs makes, pooled on the loopback RPC device.
 
 The list comes from what the tool writes (its `-moe` models), so an architecture added upstream
-joins the sweep by itself. Each model is widened from two experts to eight (top-k stays two) and
+joins the sweep by itself. Each model with fewer than eight experts (most have two) is widened to eight
+(top-k stays as made) and
 runs with default flags (the pool on, --cpu-moe) in both pool modes, at top-k slots and a few more,
 against the all-resident run on the same device: the logits must be the same bits, a pool that is
 admitted must hit and miss, and each pool says which mode it runs. Models that carry optional
@@ -216,7 +217,9 @@ def variant_model(arch: str, variant: str) -> Path:
     out = models_dir() / "widened"
     out.mkdir(exist_ok=True)
     wide = out / f"{arch}-moe-{N_EXPERT}.gguf"
-    if not wide.exists():
+    if archmodels.expert_count(src) >= N_EXPERT:
+        wide = src  # the tool made enough experts already (deepseek2: 64)
+    elif not wide.exists():
         widen_experts(src, wide.with_suffix(".tmp"), N_EXPERT).replace(wide)
     if variant != "no-scales":
         return wide

@@ -38,17 +38,6 @@ def test_ctest_a_split_without_inputs_does_not_wait_for_the_other_backend():
     assert "independent CPU split 0," in result.stdout and "FAIL" not in result.stdout
 
 
-def test_ctest_the_scheduler_takes_experts_from_an_expert_source():
-    """An offloaded MUL_MAT_ID with host weights on an in-process RPC device: the experts an expert
-    source offers come from its device copies, the others from the host."""
-    build = ROOT / "build" / "cpu"
-    result = subprocess.run(["ctest", "--test-dir", str(build), "-R", "^test-sched-expert-source$", "-V"],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "experts 2 and 5 from the device's copies, 1 and 6 from the host: ok" in result.stdout
-    assert "every expert from the host: ok" in result.stdout
-
-
 def test_upstream_test_llama_archs_still_passes():
     """The series touches llama-graph (build_moe_ffn, build_lora_mm_id) and llama-context: every
     architecture's random model must still build and run (pool off, the default)."""

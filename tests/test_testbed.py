@@ -114,20 +114,24 @@ def test_a_widened_test_llama_archs_model_has_every_per_expert_tensor_at_the_new
 
     from pyllamapool.testmodel import widen_experts
 
+    from archmodels import expert_count
+
     src = archs_source(arch)
-    wide = widen_experts(src, tmp_path / f"{arch}-8.gguf", 8, seed=1)
+    n_old = expert_count(src)       # two for most architectures; deepseek2 is made with 64
+    width = n_old + 6
+    wide = widen_experts(src, tmp_path / f"{arch}-{width}.gguf", width, seed=1)
     before, after = per_expert_tensors(src), per_expert_tensors(wide)
     assert set(before) == set(after) and any(".exp_probs_b" in n for n in after), sorted(after)
-    assert all(shape[0] == 2 for shape in before.values()), before
-    assert all(after[n] == (8,) + before[n][1:] for n in before), after
+    assert all(shape[0] == n_old for shape in before.values()), before
+    assert all(after[n] == (width,) + before[n][1:] for n in before), after
     old = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(src)).tensors if t.name in before}
     new = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(wide)).tensors if t.name in before}
     for name, data in old.items():
-        assert np.array_equal(new[name][:2], data), name
+        assert np.array_equal(new[name][:n_old], data), name
         if data.std() > 0:  # drawn with the old entries' spread: not a copy of them
-            assert not np.array_equal(new[name][2:4], data), name
+            assert not np.array_equal(new[name][n_old:n_old + 2], data[:2]), name
     model = Model(wide)   # on the CPU: the shapes are what is tested here
-    assert model.n_expert == 8
+    assert model.n_expert == width
     model.close()
 
 
