@@ -17,12 +17,15 @@ JSON file (schema pyllamapool.gpu-check/1) and prints a table.
     python benchmarks/gpu_check.py run --testbed --geometry tiny      # CPU-only: the loopback RPC device
 
 The testbed mode runs the same code on the RPC device (CI runs it, so the script is never untested);
-its timings are loopback and shared cores, not a GPU. Copy and hybrid mode are measured at each -mec.
+its timings are loopback and shared cores, not a GPU. Copy and hybrid mode are measured at each -mec,
+and beside them llama.cpp's own expert cache (--moe-cache-mib) given the copy-mode pool's device bytes
+(rounded up to whole MiB), so the four designs meet at equal memory in one process.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,11 +112,23 @@ def upload_bandwidth(device_name: str, mib: int = 256, repeats: int = 5) -> dict
     return out
 
 
-def teacher_run(session, stream, pool):
+def teacher_run(session, stream, pool, moe_cache_mib: int = 0):
     from pyllamapool.pool import PoolConfig
 
-    run = session.run(stream[:8], 0, pool=pool or PoolConfig(), teacher_tokens=stream[8:], keep_logits=pool is not None)
+    run = session.run(stream[:8], 0, pool=pool or PoolConfig(), teacher_tokens=stream[8:],
+                      keep_logits=pool is not None, moe_cache_mib=moe_cache_mib)
     return run
+
+
+def upstream_row(run, n_tokens: int, card_mib: int, cache_mib: int, slots: int) -> dict:
+    """llama.cpp's own cache: its figures come from its log (hits, misses, MiB uploaded)."""
+    st = run.moe_cache
+    return {"mode": "upstream", "card_mib": card_mib, "slots": slots, "cache_mib": cache_mib,
+            "status": "enabled" if st else "disabled", "reason": "" if st else "no cache in the log",
+            "actual_slots": st.slots if st else 0, "limited_by": f"{cache_mib} MiB",
+            "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": st.hit_rate if st else 0.0,
+            "copy_bytes_per_token": (st.uploaded_mib * 2**20 / max(1, n_tokens)) if st else 0.0,
+            "evictions": 0, "cpu_experts": 0, "deferred": 0, "syncs_per_token": 0.0}
 
 
 def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
@@ -227,17 +242,42 @@ def run(args) -> int:
         console.print(f"upload: {report['upload']}")
 
         rows = []
+        # upstream's cache caches only experts in plain host buffers: where the CPU repacks the expert
+        # type (Q4_0, Q4_K, IQ4_NL, ... on x86) it runs on a second load with --no-repack, as its
+        # users must (the pool uploads repacked experts from the model file instead)
+        unrepacked: list = []
+
+        def upstream_session():
+            if not unrepacked:
+                unrepacked.append(stack.enter_context(
+                    PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048, repack=False))))
+            return unrepacked[0]
+
         # stock --n-cpu-moe (pool off), then copy mode at each -mec on each emulated card
         with PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048)) as offloaded:
             stock = teacher_run(offloaded, stream, None)
             rows.append(decode_row("stock", stock, n, None))
             for card in args.card_mib:
                 for mec in args.mec:
+                    pool_mib = 0.0
                     for mode in ("copy", "hybrid"):
                         pooled = teacher_run(offloaded, stream, PoolConfig(slots=mec, device_mib=card, mode=mode))
                         rows.append(decode_row(mode, pooled, n, card))
+                        if mode == "copy":
+                            pool_mib = sum(m.pool for m in pooled.memory) / 2**20
                         console.print(f"  card {card} MiB -mec {mec} {mode}: {rows[-1]['decode_tps']:.1f} t/s, "
                                       f"{rows[-1]['status']} ({rows[-1]['limited_by']})")
+                    if pool_mib > 0:
+                        # upstream's cache at the copy-mode pool's bytes (its flag takes whole MiB)
+                        cache_mib = max(1, math.ceil(pool_mib))
+                        cached = teacher_run(offloaded, stream, None, moe_cache_mib=cache_mib)
+                        no_repack = cached.moe_cache is None
+                        if no_repack:
+                            cached = teacher_run(upstream_session(), stream, None, moe_cache_mib=cache_mib)
+                        rows.append(upstream_row(cached, n, card, cache_mib, mec))
+                        rows[-1]["no_repack"] = no_repack
+                        console.print(f"  card {card} MiB upstream cache {cache_mib} MiB: "
+                                      f"{rows[-1]['decode_tps']:.1f} t/s, hit rate {rows[-1]['hit_rate']:.1%}")
         # every expert on the device, when the device holds them: the bound, and the host's cost per
         # CPU-computed expert (stock time minus resident time, per expert computation)
         resident_tps = None

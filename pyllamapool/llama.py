@@ -22,6 +22,8 @@ from . import rpc as rpc_helper
 from . import pool as pool_api
 from .errors import PyllamapoolError
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolReport, PoolStatus
+from .moecache import MoeCacheStats
+from .moecache import parse_stats as parse_moe_cache_stats
 
 #: the pattern llama.cpp's common/ uses for routed-expert tensors (--cpu-moe / --n-cpu-moe)
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -366,9 +368,12 @@ class Context:
                  n_seq_max: int = 1, n_threads: int | None = None,
                  observe: Callable[[str], bool] | None = None, observer: TensorObserver | None = None,
                  flash_attn: bool | None = None, pool: "PoolConfig | None" = None,
-                 type_k: str | None = None, type_v: str | None = None, draft_of: "Context | None" = None):
+                 type_k: str | None = None, type_v: str | None = None, draft_of: "Context | None" = None,
+                 moe_cache_mib: int = 0):
         """draft_of: the target context this one drafts for (llama.cpp's ctx_other, as common's
-        speculative decoding sets it); such a context never gets an expert pool."""
+        speculative decoding sets it); such a context never gets an expert pool.
+        moe_cache_mib: llama.cpp's own expert cache (`--moe-cache-mib`), 0 = off; it and an
+        expert pool are not used together (llama.cpp refuses the context)."""
         ffi, lib = backend()
         self.model = model
         params = lib.llama_context_default_params()
@@ -390,6 +395,11 @@ class Context:
         if draft_of is not None:
             params.ctx_other = draft_of.handle
             self._keep.append(draft_of)   # the target must outlive its draft
+        if isinstance(moe_cache_mib, bool) or not isinstance(moe_cache_mib, int) or moe_cache_mib < 0:
+            raise ValueError(f"moe_cache_mib={moe_cache_mib!r} is invalid: expected a whole number of MiB "
+                             ">= 0 (0 = off)")
+        params.moe_cache_size = moe_cache_mib * 1024 * 1024
+        self.moe_cache_mib = moe_cache_mib
         self.pool_config = pool
         if pool is not None and pool.enabled:
             params.moe_pool = pool.to_c(ffi, self._keep, model_path=model.path)
@@ -437,6 +447,17 @@ class Context:
         pooled run with stock --n-cpu-moe)."""
         _, lib = backend()
         return int(lib.llama_moe_pool_host_syncs(self.handle))
+
+    def copy_callback_ms(self) -> float:
+        """Host time in the scheduler's copy callback during the last decode: where llama.cpp's MoE
+        cache reads the selected experts and uploads its misses (and offloaded batches copy experts)."""
+        _, lib = backend()
+        return int(lib.llama_moe_pool_copy_callback_us(self.handle)) / 1000.0
+
+    def moe_cache_stats(self) -> "MoeCacheStats | None":
+        """What llama.cpp's own MoE cache logged (its hits and misses once the context is closed);
+        None without one."""
+        return parse_moe_cache_stats([*self.init_log, *self.close_log])
 
     def pool_report(self, per_pool: bool = False) -> "PoolReport":
         return pool_api.report(self.handle, per_pool)

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 from .decode import RunResult, run_context
 from .errors import PyllamapoolError
 from .llama import Context, Sampler, local_gpus
+from .moecache import MoeCacheStats
 from .offload import Offload
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
 
@@ -34,6 +35,7 @@ class PoolRun:
     lines: list[str]                      # the `expert pool ...` lines of this context
     pools: list[PoolInfo] = field(default_factory=list)
     pool_counters: list[PoolCounters] = field(default_factory=list)
+    moe_cache: MoeCacheStats | None = None  # llama.cpp's own cache, when the run used it
 
     def to_json(self) -> dict:
         return {
@@ -45,6 +47,7 @@ class PoolRun:
             "counters": self.counters.to_json(),
             "memory": [asdict(m) for m in self.memory],
             "lines": self.lines,
+            "moe_cache": asdict(self.moe_cache) if self.moe_cache else None,
         }
 
 
@@ -71,15 +74,16 @@ class PoolSession:
 
     def run(self, prompt: Sequence[int], n_predict: int = 32, *, pool: PoolConfig | None = None,
             teacher_tokens: Sequence[int] | None = None, per_pool: bool = False,
-            keep_logits: bool = False, sampler: Sampler | None = None) -> PoolRun:
+            keep_logits: bool = False, sampler: Sampler | None = None, moe_cache_mib: int = 0) -> PoolRun:
+        """moe_cache_mib: llama.cpp's own expert cache instead of a pool (the two are exclusive)."""
         pool = pool or PoolConfig()
-        with self.context(pool) as ctx:
+        with self.context(pool, moe_cache_mib=moe_cache_mib) as ctx:
             decoded = run_context(ctx, prompt, n_predict, teacher_tokens=teacher_tokens, sampler=sampler,
                                   keep_logits=keep_logits)
             report = ctx.pool_report(per_pool=per_pool)
             memory = ctx.memory()
         return PoolRun(pool, decoded, report.status, report.devices, report.counters, memory,
-                       ctx.pool_lines(), report.pools, report.pool_counters)
+                       ctx.pool_lines(), report.pools, report.pool_counters, ctx.moe_cache_stats())
 
     def plan(self, pool: PoolConfig) -> PoolRun:
         """Admission only: a context is made (in a no-allocation session, nothing is allocated)."""

@@ -232,6 +232,11 @@ def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
     assert modes[0] == "stock" and modes.count("copy") == modes.count("hybrid") == 2 * 3  # -mec 4, 8, 16
     assert modes[-1] == "resident"
     assert any(r["cpu_experts"] > 0 for r in report["rows"] if r["mode"] == "hybrid")
+    # llama.cpp's own cache beside the pool, at the copy-mode pool's bytes, wherever that pool was admitted
+    upstream = [r for r in report["rows"] if r["mode"] == "upstream"]
+    assert upstream and all(r["status"] == "enabled" and r["hit_rate"] > 0 for r in upstream)
+    assert {(r["card_mib"], r["slots"]) for r in upstream} == {
+        (r["card_mib"], r["slots"]) for r in report["rows"] if r["mode"] == "copy" and r["status"] == "enabled"}
     big = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 65536]
     assert all(r["status"] == "enabled" for r in big)
     copied = [r["copy_bytes_per_token"] for r in sorted(big, key=lambda r: r["slots"])]

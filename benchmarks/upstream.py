@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""The expert pool against llama.cpp's own expert cache (`--moe-cache-mib`), in one binary, on one
+device, over one model and one token stream: stock `--cpu-moe`, upstream's cache at several sizes, and
+the pool's copy and hybrid modes given the same device memory.
+
+Equal memory: each pool size is set in slots per expert tensor; the pool's own bytes (its memory
+breakdown) are converted to MiB and upstream's cache is given that, rounded up to a whole MiB (its
+flag takes MiB), so upstream never gets less.
+
+    python benchmarks/upstream.py [--device rpc|vulkan|lazy] [--tokens 96] [--repeats 3] [--slots 4,8,16]
+        [--json out.json] [--plot out.png] [--short]
+
+Per run: decode t/s (median over repeats), hit rate, KiB uploaded per token, host waits per token (every
+wait of the decoding thread for a device, in the scheduler and in its copy callback), and the host ms per
+token spent in the copy callback, where upstream's cache reads the router's ids and uploads its misses.
+`parity` says whether every step's logits equal the stock run's bit for bit. The pool's own ops run
+inside the graph; their time is in t/s, not in the callback column.
+
+--device vulkan needs the Vulkan build (python build.py --target vulkan --prefix build/vulkan-install)
+and runs on Mesa's lavapipe in a process of its own. Loopback devices share the host's cores and
+memory bandwidth: the figures rank designs by what they do (uploads, waits), not by PCIe speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VULKAN_LIB = ROOT / "build" / "vulkan-install" / "pyllamapool" / "lib"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("rpc", "vulkan", "lazy"), default="rpc")
+    parser.add_argument("--tokens", type=int, default=96, help="decode steps (teacher-forced)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slots", default="4,8,16", help="pool sizes, slots per expert tensor")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.add_argument("--short", action="store_true", help="a quick run: 16 tokens, 1 repeat, 8 slots")
+    args = parser.parse_args(argv)
+    try:
+        args.slot_list = [int(s) for s in args.slots.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--slots {args.slots!r}: expected whole numbers separated by commas, e.g. 4,8,16")
+    if not args.slot_list or min(args.slot_list) < 1:
+        parser.error(f"--slots {args.slots!r}: every size must be at least 1 slot")
+    if args.tokens < 1 or args.repeats < 1:
+        parser.error("--tokens and --repeats must be at least 1")
+    if args.short:
+        args.tokens, args.repeats, args.slot_list = 16, 1, [8]
+    return args
+
+
+def spec():
+    from pyllamapool.testmodel import ModelSpec
+    return ModelSpec(n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=256)
+
+
+def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
+    """One context, prompt then teacher-forced decode; what it did and its logits."""
+    from pyllamapool.decode import run_context
+    from pyllamapool.llama import Context
+
+    ctx = Context(model, pool=pool, moe_cache_mib=cache_mib)
+    waits, callback_ms = [], []
+
+    def on_step(_i):
+        waits.append(ctx.host_syncs())
+        callback_ms.append(ctx.copy_callback_ms())
+
+    result = run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True, on_step=on_step)
+    n = len(result.step_latency_ms)
+    row = {"tps": result.decode_tokens_per_s, "waits": sum(waits) / n, "callback_ms": sum(callback_ms) / n}
+    if pool is not None:
+        c = ctx.pool_counters()
+        row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024,
+                   pool_mib=sum(r.pool for r in ctx.memory()) / 2**20)
+        ctx.close()
+    else:
+        ctx.close()
+        stats = ctx.moe_cache_stats()
+        row.update(hit=stats.hit_rate if stats else 0.0,
+                   kib=stats.uploaded_mib * 1024 / n if stats else 0.0,
+                   pool_mib=stats.size_mib if stats else 0.0)
+    row["logits"] = result.logits
+    return row
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    import numpy as np
+
+    from pyllamapool.llama import Model, add_rpc_server, lazy_copy_device
+    from pyllamapool.pool import PoolConfig
+    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+
+    path = cached_model(spec())
+    stream = token_stream(spec(), StreamSpec(n_tokens=args.tokens + 8, seed=3))
+    server = None
+    if args.device == "rpc":
+        server = start_rpc_server()
+        add_rpc_server(server.endpoint)
+        model = Model(path, n_gpu_layers=99, rpc=[server.endpoint], cpu_moe=True)
+    elif args.device == "lazy":
+        lazy_copy_device()
+        model = Model(path, n_gpu_layers=99, cpu_moe=True, lazy_copy=True)
+    else:
+        model = Model(path, n_gpu_layers=99, cpu_moe=True)
+    device_mib = 65536 if args.device != "vulkan" else 0
+    try:
+        def repeat(label, **kw) -> dict:
+            runs = [one_run(model, stream, **kw) for _ in range(args.repeats)]
+            row = {k: v for k, v in runs[0].items() if k != "logits"}
+            row["tps"] = statistics.median(r["tps"] for r in runs)
+            row["logits"] = runs[0]["logits"]
+            row["label"] = label
+            print({k: v for k, v in row.items() if k != "logits"}, file=sys.stderr, flush=True)
+            return row
+
+        rows = [dict(repeat("stock"), design="stock", slots=0, cache_mib=0)]
+        for slots in args.slot_list:
+            pooled = {}
+            for mode in ("copy", "hybrid"):
+                pool = PoolConfig(slots=slots, mode=mode, **({"device_mib": device_mib} if device_mib else {}))
+                pooled[mode] = dict(repeat(f"pool {mode} {slots}", pool=pool), design=f"pool {mode}",
+                                    slots=slots, cache_mib=0)
+            mib = max(1, math.ceil(pooled["copy"]["pool_mib"]))
+            rows.append(dict(repeat(f"upstream {mib} MiB", cache_mib=mib), design="upstream cache",
+                             slots=slots, cache_mib=mib))
+            rows += [pooled["copy"], pooled["hybrid"]]
+        reference = rows[0]["logits"]
+        for r in rows:
+            r["parity"] = len(r["logits"]) == len(reference) and all(
+                np.array_equal(a, b) for a, b in zip(r["logits"], reference))
+        for r in rows:
+            del r["logits"]
+    finally:
+        model.close()
+        if server is not None:
+            server.stop()
+    return rows
+
+
+def table(rows: list[dict], device: str) -> str:
+    stock = rows[0]["tps"] or 1.0
+    out = [f"| design ({device}) | slots | device MiB | t/s | x stock | hit rate | KiB uploaded / token | "
+           "host waits / token | callback ms / token | parity |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        out.append(f"| {r['design']} | {r['slots'] or '-'} | {r['pool_mib']:.1f} | {r['tps']:.0f} | "
+                   f"{r['tps'] / stock:.2f} | {r['hit']:.1%} | {r['kib']:.0f} | {r['waits']:.1f} | "
+                   f"{r['callback_ms']:.2f} | {'bit-identical' if r['parity'] else 'DIFFERS'} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], device: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    stock = rows[0]["tps"]
+    for design, marker in (("upstream cache", "o"), ("pool copy", "s"), ("pool hybrid", "^")):
+        pts = [r for r in rows if r["design"] == design]
+        ax1.plot([r["pool_mib"] for r in pts], [r["tps"] / stock for r in pts], marker=marker, label=design)
+        ax2.plot([r["pool_mib"] for r in pts], [r["kib"] for r in pts], marker=marker, label=design)
+    ax1.axhline(1.0, color="grey", lw=0.8, ls="--", label="stock")
+    ax1.set(xlabel="device MiB", ylabel="decode t/s / stock", title=f"speed ({device})")
+    ax2.set(xlabel="device MiB", ylabel="KiB uploaded / token", title="uploads")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "vulkan" and os.environ.get("PYLLAMAPOOL_LIB_DIR") != str(VULKAN_LIB):
+        # the Vulkan build is a second set of libraries: load it in a process of its own
+        if not (VULKAN_LIB / "libllama.so").exists():
+            print(f"no Vulkan build in {VULKAN_LIB}: python build.py --target vulkan --prefix build/vulkan-install",
+                  file=sys.stderr)
+            return 2
+        env = {**os.environ, "PYLLAMAPOOL_LIB_DIR": str(VULKAN_LIB), "GGML_VK_VISIBLE_DEVICES": "0",
+               "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])],
+                              env=env).returncode
+    rows = measure(args)
+    print(table(rows, args.device))
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "tokens": args.tokens, "repeats": args.repeats,
+                                         "rows": rows}, indent=2) + "\n")
+    if args.plot:
+        plot(rows, args.device, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
