@@ -13,8 +13,12 @@ flag takes MiB), so upstream never gets less.
 Per run: decode t/s (median over repeats), hit rate, KiB uploaded per token, host waits per token (every
 wait of the decoding thread for a device, in the scheduler and in its copy callback), and the host ms per
 token spent in the copy callback, where upstream's cache reads the router's ids and uploads its misses.
-`parity` says whether every step's logits equal the stock run's bit for bit. The pool's own ops run
-inside the graph; their time is in t/s, not in the callback column.
+`parity` says whether every step's logits equal the stock run's bit for bit, else how far they are
+(max |logit difference|). On the loopback devices every design must be bit-identical: all experts run
+the CPU's kernels. On Vulkan stock computes the experts on the CPU and the caches on the device, with
+the device's kernels, so small differences are expected there; pooled experts against the stock
+host-copy path on the same device are checked bit for bit in tests/test_vulkan.py. The pool's own ops
+run inside the graph; their time is in t/s, not in the callback column.
 
 --device vulkan needs the Vulkan build (python build.py --target vulkan --prefix build/vulkan-install)
 and runs on Mesa's lavapipe in a process of its own. Loopback devices share the host's cores and
@@ -139,8 +143,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
             rows += [pooled["copy"], pooled["hybrid"]]
         reference = rows[0]["logits"]
         for r in rows:
-            r["parity"] = len(r["logits"]) == len(reference) and all(
-                np.array_equal(a, b) for a, b in zip(r["logits"], reference))
+            same_steps = len(r["logits"]) == len(reference)
+            r["parity"] = same_steps and all(np.array_equal(a, b) for a, b in zip(r["logits"], reference))
+            r["max_abs_diff"] = float(max(np.max(np.abs(a - b)) for a, b in zip(r["logits"], reference))) \
+                if same_steps else float("inf")
         for r in rows:
             del r["logits"]
     finally:
@@ -148,6 +154,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
         if server is not None:
             server.stop()
     return rows
+
+
+def verdict(r: dict) -> str:
+    return "bit-identical" if r["parity"] else f"max diff {r['max_abs_diff']:.2g}"
 
 
 def table(rows: list[dict], device: str) -> str:
@@ -158,7 +168,7 @@ def table(rows: list[dict], device: str) -> str:
     for r in rows:
         out.append(f"| {r['design']} | {r['slots'] or '-'} | {r['pool_mib']:.1f} | {r['tps']:.0f} | "
                    f"{r['tps'] / stock:.2f} | {r['hit']:.1%} | {r['kib']:.0f} | {r['waits']:.1f} | "
-                   f"{r['callback_ms']:.2f} | {'bit-identical' if r['parity'] else 'DIFFERS'} |")
+                   f"{r['callback_ms']:.2f} | {verdict(r)} |")
     return "\n".join(out)
 
 
