@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -211,6 +210,7 @@ def run(args) -> int:
     from pyllamapool.offload import Offload
     from pyllamapool.pool import PoolConfig
     from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.moecache import equal_memory_mib
     from pyllamapool.session import PoolSession, has_accelerator
     from pyllamapool.testmodel import ModelSpec, StreamSpec, cached_model, token_stream
 
@@ -259,17 +259,16 @@ def run(args) -> int:
             rows.append(decode_row("stock", stock, n, None))
             for card in args.card_mib:
                 for mec in args.mec:
-                    pool_mib = 0.0
+                    pool_bytes = 0
                     for mode in ("copy", "hybrid"):
                         pooled = teacher_run(offloaded, stream, PoolConfig(slots=mec, device_mib=card, mode=mode))
                         rows.append(decode_row(mode, pooled, n, card))
                         if mode == "copy":
-                            pool_mib = sum(m.pool for m in pooled.memory) / 2**20
+                            pool_bytes = sum(m.pool for m in pooled.memory)
                         console.print(f"  card {card} MiB -mec {mec} {mode}: {rows[-1]['decode_tps']:.1f} t/s, "
                                       f"{rows[-1]['status']} ({rows[-1]['limited_by']})")
-                    if pool_mib > 0:
-                        # upstream's cache at the copy-mode pool's bytes (its flag takes whole MiB)
-                        cache_mib = max(1, math.ceil(pool_mib))
+                    cache_mib = equal_memory_mib(pool_bytes)   # upstream's cache at the copy pool's bytes
+                    if cache_mib > 0:
                         cached = teacher_run(offloaded, stream, None, moe_cache_mib=cache_mib)
                         no_repack = cached.moe_cache is None
                         if no_repack:

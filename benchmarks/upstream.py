@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -86,8 +85,8 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     row = {"tps": result.decode_tokens_per_s, "waits": sum(waits) / n, "callback_ms": sum(callback_ms) / n}
     if pool is not None:
         c = ctx.pool_counters()
-        row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024,
-                   pool_mib=sum(r.pool for r in ctx.memory()) / 2**20)
+        pool_bytes = sum(r.pool for r in ctx.memory())
+        row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024, pool_bytes=pool_bytes, pool_mib=pool_bytes / 2**20)
         ctx.close()
     else:
         ctx.close()
@@ -103,6 +102,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
     from pyllamapool.llama import Model, add_rpc_server, lazy_copy_device
+    from pyllamapool.moecache import equal_memory_mib
     from pyllamapool.pool import PoolConfig
     from pyllamapool.rpc import start_rpc_server
     from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
@@ -137,7 +137,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 pool = PoolConfig(slots=slots, mode=mode, **({"device_mib": device_mib} if device_mib else {}))
                 pooled[mode] = dict(repeat(f"pool {mode} {slots}", pool=pool), design=f"pool {mode}",
                                     slots=slots, cache_mib=0)
-            mib = max(1, math.ceil(pooled["copy"]["pool_mib"]))
+            mib = equal_memory_mib(pooled["copy"]["pool_bytes"])
             rows.append(dict(repeat(f"upstream {mib} MiB", cache_mib=mib), design="upstream cache",
                              slots=slots, cache_mib=mib))
             rows += [pooled["copy"], pooled["hybrid"]]

@@ -399,7 +399,6 @@ class Context:
             raise ValueError(f"moe_cache_mib={moe_cache_mib!r} is invalid: expected a whole number of MiB "
                              ">= 0 (0 = off)")
         params.moe_cache_size = moe_cache_mib * 1024 * 1024
-        self.moe_cache_mib = moe_cache_mib
         self.pool_config = pool
         if pool is not None and pool.enabled:
             params.moe_pool = pool.to_c(ffi, self._keep, model_path=model.path)

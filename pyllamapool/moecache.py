@@ -6,6 +6,7 @@ upstream's cache can be set beside one with the expert pool.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ class MoeCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+def equal_memory_mib(pool_bytes: int) -> int:
+    """The `--moe-cache-mib` that gives upstream's cache a pool's device bytes: whole MiB (what the
+    flag takes), rounded up so that it never gets less; 0 for a pool that holds nothing."""
+    return math.ceil(pool_bytes / 2**20) if pool_bytes > 0 else 0
 
 
 def parse_stats(lines: Iterable[str]) -> MoeCacheStats | None:
