@@ -68,6 +68,37 @@ def spec():
     return ModelSpec(n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=256)
 
 
+def open_model(device: str, path):
+    """The model with its experts in host memory and every layer on `device` (rpc, lazy or vulkan):
+    (model, RPC server or None, the device size to emulate in MiB or 0 for the device's own)."""
+    from pyllamapool.llama import Model, add_rpc_server, lazy_copy_device
+    from pyllamapool.rpc import start_rpc_server
+
+    if device == "rpc":
+        server = start_rpc_server()
+        add_rpc_server(server.endpoint)
+        return Model(path, n_gpu_layers=99, rpc=[server.endpoint], cpu_moe=True), server, 65536
+    if device == "lazy":
+        lazy_copy_device()
+        return Model(path, n_gpu_layers=99, cpu_moe=True, lazy_copy=True), None, 65536
+    return Model(path, n_gpu_layers=99, cpu_moe=True), None, 0
+
+
+def relaunch_on_vulkan(script: str, argv) -> int | None:
+    """--device vulkan needs the Vulkan build's libraries: run `script` again in a process of its own
+    with them loaded. None: this process already has them."""
+    if os.environ.get("PYLLAMAPOOL_LIB_DIR") == str(VULKAN_LIB):
+        return None
+    if not (VULKAN_LIB / "libllama.so").exists():
+        print(f"no Vulkan build in {VULKAN_LIB}: python build.py --target vulkan --prefix build/vulkan-install",
+              file=sys.stderr)
+        return 2
+    env = {**os.environ, "PYLLAMAPOOL_LIB_DIR": str(VULKAN_LIB), "GGML_VK_VISIBLE_DEVICES": "0",
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, script, *(argv if argv is not None else sys.argv[1:])],
+                          env=env).returncode
+
+
 def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     """One context, prompt then teacher-forced decode; what it did and its logits."""
     from pyllamapool.decode import run_context
@@ -101,25 +132,13 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
 def measure(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
-    from pyllamapool.llama import Model, add_rpc_server, lazy_copy_device
     from pyllamapool.moecache import equal_memory_mib
     from pyllamapool.pool import PoolConfig
-    from pyllamapool.rpc import start_rpc_server
     from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
 
     path = cached_model(spec())
     stream = token_stream(spec(), StreamSpec(n_tokens=args.tokens + 8, seed=3))
-    server = None
-    if args.device == "rpc":
-        server = start_rpc_server()
-        add_rpc_server(server.endpoint)
-        model = Model(path, n_gpu_layers=99, rpc=[server.endpoint], cpu_moe=True)
-    elif args.device == "lazy":
-        lazy_copy_device()
-        model = Model(path, n_gpu_layers=99, cpu_moe=True, lazy_copy=True)
-    else:
-        model = Model(path, n_gpu_layers=99, cpu_moe=True)
-    device_mib = 65536 if args.device != "vulkan" else 0
+    model, server, device_mib = open_model(args.device, path)
     try:
         def repeat(label, **kw) -> dict:
             runs = [one_run(model, stream, **kw) for _ in range(args.repeats)]
@@ -193,16 +212,10 @@ def plot(rows: list[dict], device: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "vulkan" and os.environ.get("PYLLAMAPOOL_LIB_DIR") != str(VULKAN_LIB):
-        # the Vulkan build is a second set of libraries: load it in a process of its own
-        if not (VULKAN_LIB / "libllama.so").exists():
-            print(f"no Vulkan build in {VULKAN_LIB}: python build.py --target vulkan --prefix build/vulkan-install",
-                  file=sys.stderr)
-            return 2
-        env = {**os.environ, "PYLLAMAPOOL_LIB_DIR": str(VULKAN_LIB), "GGML_VK_VISIBLE_DEVICES": "0",
-               "PYTHONPATH": str(ROOT)}
-        return subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])],
-                              env=env).returncode
+    if args.device == "vulkan":
+        rc = relaunch_on_vulkan(__file__, argv)
+        if rc is not None:
+            return rc
     rows = measure(args)
     print(table(rows, args.device))
     if args.json:

@@ -142,18 +142,31 @@ def _vulkan_header_version() -> tuple[int, int, int] | None:
     return None
 
 
-#: AddressSanitizer + UndefinedBehaviorSanitizer in llama.cpp and ggml (both have their own switches)
-SANITIZE_FLAGS = [f"-D{lib}_SANITIZE_{kind}=ON" for lib in ("LLAMA", "GGML") for kind in ("ADDRESS", "UNDEFINED")]
+#: the sanitizer builds, by name: llama.cpp and ggml both have their own switches. ThreadSanitizer cannot
+#: share a process with AddressSanitizer, so it is a build (and a folder) of its own.
+SANITIZERS = {"address": ("ADDRESS", "UNDEFINED"), "thread": ("THREAD",)}
+SANITIZE_FOLDERS = {"address": "-sanitize", "thread": "-tsan"}
+
+
+def sanitize_flags(kind: str) -> list[str]:
+    if kind not in SANITIZERS:
+        raise PyllamapoolError(f"--sanitize {kind}: unknown sanitizer (expected one of {', '.join(SANITIZERS)})")
+    flags = [f"-D{lib}_SANITIZE_{k}=ON" for lib in ("LLAMA", "GGML") for k in SANITIZERS[kind]]
+    # libgomp is not instrumented: its barriers look like races to ThreadSanitizer (llama.cpp's own
+    # TSan CI builds without OpenMP, so ggml-cpu uses its own thread pool)
+    return flags + (["-DGGML_OPENMP=OFF"] if kind == "thread" else [])
 
 
 def configure_target(target: str, arch: str | None = None, build_dir: Path | None = None,
-                     jobs: int | None = None, sanitize: bool = False) -> BuildConfig:
+                     jobs: int | None = None, sanitize: str | None = None) -> BuildConfig:
     backend, arch = parse_target(target, arch)
     arch = normalize_arch(backend, arch)
     if jobs is not None and jobs < 1:
         raise PyllamapoolError(f"--jobs {jobs}: must be 1 or more")
     name = backend if not arch else f"{backend}-{arch.replace(';', '_')}"
-    name += "-sanitize" if sanitize else ""
+    if sanitize:
+        flags = sanitize_flags(sanitize)
+        name += SANITIZE_FOLDERS[sanitize]
     cfg = BuildConfig(backend, arch, Path(build_dir) if build_dir else paths.default_build_dir(name),
                       jobs)
     cfg.cmake_flags = ["-DCMAKE_BUILD_TYPE=Release", "-DPYLLAMAPOOL_PREPARE=OFF",
@@ -202,7 +215,7 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
             if (usr / "share" / "cmake").is_dir():
                 cfg.cmake_flags.append(f"-DCMAKE_PREFIX_PATH={usr}")
     if sanitize:
-        cfg.cmake_flags += SANITIZE_FLAGS
+        cfg.cmake_flags += flags
     if _which("ccache"):
         cfg.cmake_flags.append("-DGGML_CCACHE=ON")
         # paths below the checkout are hashed relative to it: another clone (CI's fresh one) reuses

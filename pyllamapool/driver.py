@@ -34,8 +34,9 @@ def make_parser(prog: str = "build.py") -> argparse.ArgumentParser:
     parser.add_argument("--prefix", type=Path,
                         help="install into PREFIX/pyllamapool/{lib,bin} instead of this checkout (a second "
                              "build beside the default one; point PYLLAMAPOOL_LIB_DIR at PREFIX/pyllamapool/lib)")
-    parser.add_argument("--sanitize", action="store_true",
-                        help="AddressSanitizer + UndefinedBehaviorSanitizer build (folder build/<target>-sanitize; "
+    parser.add_argument("--sanitize", nargs="?", const="address", choices=("address", "thread"),
+                        help="a sanitized build: address (the default: AddressSanitizer + UndefinedBehaviorSanitizer, "
+                             "folder build/<target>-sanitize) or thread (ThreadSanitizer, build/<target>-tsan); "
                              "install it with --prefix)")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra CMake definition (repeatable), e.g. -D GGML_CUDA_FA=OFF to trim a build")

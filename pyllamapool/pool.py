@@ -28,11 +28,15 @@ DEFAULT_POLICY = "adaptive"
 GATES = {"off": 1, "yield": 2}
 #: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
 MODES = {"copy": 1, "hybrid": 2}
+#: how misses' bytes reach the slots, by C API code (enum llama_moe_pool_uploads): "stream" (pinned
+#: staging and an upload queue of its own, where the device has events) or "inline" (the compute queue)
+UPLOAD_PATHS = {"inline": 1, "stream": 2}
 #: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
 ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL_CAP_MIB",
                "device_mib": "LLAMA_MOE_POOL_DEVICE_MIB", "profile": "LLAMA_MOE_POOL_PROFILE",
                "policy": "LLAMA_MOE_POOL_POLICY", "gate": "LLAMA_MOE_POOL_GATE", "mode": "LLAMA_MOE_POOL_MODE",
-               "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH"}
+               "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH",
+               "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -62,6 +66,11 @@ def mode_code(mode: str | int) -> int:
     return _code("mode", mode, MODES)
 
 
+def uploads_code(uploads: str | int) -> int:
+    """The C API code of an upload path given by name or code."""
+    return _code("uploads", uploads, UPLOAD_PATHS)
+
+
 def _check_whole(name: str, value, minimum: int, expected: str) -> None:
     """None (take the default) or a whole number >= minimum; bools are not numbers here."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
@@ -73,7 +82,7 @@ def _parse_env(name: str, text: str):
     if name == "device_mib":
         sizes = tuple(int(part) for part in text.split(","))
         return sizes[0] if len(sizes) == 1 else sizes
-    if name in ("rail_mib", "cap_mib", "max_batch"):
+    if name in ("rail_mib", "cap_mib", "max_batch", "staging_mib"):
         if not text.strip().isdigit():
             raise ValueError("expected a whole number")
         return int(text)
@@ -103,6 +112,10 @@ class PoolConfig:
         take the stock path and never evict. Copy mode also needs tokens x top-k to fit the slots.
     reserve_mib: device memory (MiB) to leave for buffers made after this context, e.g. a speculative
         draft model's weights (llama-server sets it from the draft's file).
+    uploads: "stream" (the default where the device has events: misses gathered into pinned staging
+        and copied on an upload queue of their own, a slot read only after its copy ran) or "inline"
+        (copies on the compute queue from wherever the bytes are; LLAMA_MOE_POOL_UPLOADS).
+    staging_mib: the stream path's pinned staging per device (default 64, LLAMA_MOE_POOL_STAGING_MIB).
     """
     slots: int | tuple[int, ...] = 0
     rail_mib: int | None = None
@@ -115,6 +128,8 @@ class PoolConfig:
     upload_frac: float | None = None
     max_batch: int | None = None
     reserve_mib: int | None = None
+    uploads: str | None = None
+    staging_mib: int | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -150,6 +165,9 @@ class PoolConfig:
             raise PoolConfigError(f"upload_frac={self.upload_frac!r} is invalid: expected 0 (no budget) to 1")
         _check_whole("max_batch", self.max_batch, 1, "expected a token count of at least 1")
         _check_whole("reserve_mib", self.reserve_mib, 0, "expected a whole number of MiB >= 0")
+        if self.uploads is not None:
+            uploads_code(self.uploads)
+        _check_whole("staging_mib", self.staging_mib, 1, "it must be a whole number of MiB >= 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
 
@@ -211,6 +229,10 @@ class PoolConfig:
             params.max_batch = config.max_batch
         if config.reserve_mib is not None:
             params.reserve_mib = config.reserve_mib
+        if config.uploads is not None:
+            params.uploads = uploads_code(config.uploads)
+        if config.staging_mib is not None:
+            params.staging_mib = config.staging_mib
         params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
@@ -238,6 +260,7 @@ class PoolStatus:
     policy: str = DEFAULT_POLICY
     gate: str = "off"
     mode: str = "hybrid"
+    uploads: str = "stream"
 
 
 @dataclass(frozen=True)
@@ -263,6 +286,10 @@ class PoolCounters:
     #: offloaded stock-path batches (prefill): used experts' bytes copied from the slots / from the host
     prefill_device_bytes: int = 0
     prefill_host_bytes: int = 0
+    #: host time (us) blocked inside the device API in the pool's ops, and hybrid stream uploads
+    #: queued but not yet in the slot table (a level, not a count)
+    block_us: int = 0
+    uploads_in_flight: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -271,6 +298,10 @@ class PoolCounters:
     @property
     def syncs_per_token(self) -> float:
         return self.syncs / self.tokens if self.tokens else 0.0
+
+    @property
+    def block_us_per_token(self) -> float:
+        return self.block_us / self.tokens if self.tokens else 0.0
 
     def by_batch(self) -> dict[str, dict[str, float]]:
         """Lookups, hits, misses and hit rate per micro-batch size class (the classes that saw lookups)."""
@@ -281,6 +312,7 @@ class PoolCounters:
         data = asdict(self)
         del data["batch_lookups"], data["batch_hits"]
         return {**data, "hit_rate": self.hit_rate, "syncs_per_token": self.syncs_per_token,
+                "block_us_per_token": self.block_us_per_token,
                 "by_batch": self.by_batch()}
 
 
@@ -330,14 +362,15 @@ def _status_from_c(ffi, s) -> PoolStatus:
         slots_med=s.slots_med, slots_max=s.slots_max, total_slots=s.total_slots,
         policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
         gate=ffi.string(s.gate).decode() if s.gate else "off",
-        mode=ffi.string(s.mode).decode() if s.mode else "hybrid")
+        mode=ffi.string(s.mode).decode() if s.mode else "hybrid",
+        uploads=ffi.string(s.uploads).decode() if s.uploads else "stream")
 
 
 def _counters_from_c(c) -> PoolCounters:
     return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
                         c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
-                        c.prefill_host_bytes)
+                        c.prefill_host_bytes, c.block_us, c.uploads_in_flight)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

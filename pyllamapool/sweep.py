@@ -56,6 +56,8 @@ SWEEP_SCHEMA = {
                 "gate": {"enum": ["off", "yield"]},
                 "mode": {"enum": ["copy", "hybrid"]},
                 "syncs_per_token": {"type": "number", "minimum": 0},
+                "uploads_path": {"enum": ["stream", "inline"]},
+                "block_us_per_token": {"type": "number", "minimum": 0},
                 # hits and misses per micro-batch size ("1", "2-8", "9-32", "33+"): classes with lookups
                 "by_batch": {"type": "object", "additionalProperties": {
                     "type": "object", "required": ["lookups", "hits", "misses", "hit_rate"]}},
@@ -143,6 +145,7 @@ def run_sweep(model: str | Path, offload: Offload, grid: SweepGrid, prompt: Sequ
                 "policy": s.policy, "gate": s.gate, "gated_steps": c.gated_steps, "mode": s.mode,
                 "cpu_experts": c.cpu_experts, "uploads": c.uploads, "deferred": c.deferred,
                 "syncs_per_token": c.syncs_per_token, "by_batch": c.by_batch(),
+                "uploads_path": s.uploads, "block_us_per_token": c.block_us_per_token,
                 "prefill_device_bytes": c.prefill_device_bytes, "prefill_host_bytes": c.prefill_host_bytes,
                 "status": "enabled" if s.enabled else "disabled", "reason": s.reason,
                 "actual_slots": s.actual_slots, "limited_by": s.limited_by, "bytes": s.bytes,

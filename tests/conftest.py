@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,17 @@ def pytest_configure(config):
     import shutil
     import tempfile
 
+    # a sanitized build under test (tests/test_sanitizers.py runs the suite's decode tests against one)
+    # names its libraries in a variable of its own, which survives the clean-up
+    sanitized = os.environ.get("PYLLAMAPOOL_TESTS_LIB_DIR")
     for name in list(os.environ):
         if name.startswith("PYLLAMAPOOL_"):
             del os.environ[name]
+    if sanitized:
+        os.environ["PYLLAMAPOOL_LIB_DIR"] = sanitized
+        from pyllamapool import _ffi
+        # test_sanitizers.py checks this line: the run really is on the sanitized libraries
+        print(f"pyllamapool tests: libraries from {_ffi.locate().lib_dir}", file=sys.__stderr__, flush=True)
     cache = tempfile.mkdtemp(prefix="pyllamapool-tests-cache-")
     os.environ["XDG_CACHE_HOME"] = cache
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))

@@ -229,7 +229,11 @@ def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
     assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
     assert all(r["evictions"] > 0 for r in report["parity_by_type"])
     modes = [r["mode"] for r in report["rows"]]
-    assert modes[0] == "stock" and modes.count("copy") == modes.count("hybrid") == 2 * 3  # -mec 4, 8, 16
+    # -mec 4, 8, 16 on two cards, the first with both upload paths
+    assert modes[0] == "stock" and modes.count("copy") == modes.count("hybrid") == 3 * 3
+    first = [r for r in report["rows"] if r["mode"] in ("copy", "hybrid") and r["card_mib"] == 1030]
+    assert sorted(r["uploads"] for r in first) == ["inline"] * 6 + ["stream"] * 6
+    assert all(r["block_ms_per_token"] >= 0 for r in first)
     assert modes[-1] == "resident"
     assert any(r["cpu_experts"] > 0 for r in report["rows"] if r["mode"] == "hybrid")
     # llama.cpp's own cache beside the pool, at the copy-mode pool's bytes, wherever that pool was admitted

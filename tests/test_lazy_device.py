@@ -7,6 +7,10 @@ slot published before its bytes were queued, or a split that overwrites host mem
 still has to read, gives a wrong result here, deterministically, where the synchronous RPC device
 cannot tell. The device computes with ggml-cpu's kernels, so every run must equal the all-resident
 run on the same device bit for bit.
+
+The device has events but no host buffer type, so by default the pool would take the inline upload
+path here; these tests ask for the stream path (staging, an upload queue of its own, events), which is
+what GPUs take, and the heavy-eviction test runs both.
 """
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ from test_pool import (BATCH_SHAPES, cpu_repacks_weights, decode, decode_in_batc
 
 SPEC = ModelSpec()
 MODES = ["copy", "hybrid"]
+PATHS = ["stream", "inline"]
+
+
+def pool(**kw) -> PoolConfig:
+    """The pool on the lazy device: an emulated size, stream uploads unless asked otherwise."""
+    return PoolConfig(**{"device_mib": 65536, "uploads": "stream", **kw})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,19 +62,20 @@ def test_the_model_runs_on_the_lazy_device(qwen3_model):
     assert status.enabled and status.device.startswith("LAZY")
 
 
+@pytest.mark.parametrize("uploads", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
-def test_heavy_eviction_is_bit_identical(make_model, stream, mode, expert_type):
+def test_heavy_eviction_is_bit_identical(make_model, stream, mode, expert_type, uploads):
     """Slots at top-k: every step evicts and uploads; with Q4_0 the CPU repacks the host copy and
     misses are read from the model file into staging, which must outlive the device's read."""
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream, n_prompt=1)
     model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
     repacked = cpu_repacks_weights(model)
-    result, report, status, _ = decode(model, stream, PoolConfig(slots=4, device_mib=65536, mode=mode), n_prompt=1)
+    result, report, status, _ = decode(model, stream, pool(slots=4, mode=mode, uploads=uploads), n_prompt=1)
     model.close()
     c = report.counters
-    assert status.enabled and status.mode == mode
+    assert status.enabled and status.mode == mode and status.uploads == uploads
     assert c.evictions > 0 and c.uploads > 0 and c.device_experts > 0
     if mode == "hybrid":
         assert c.cpu_experts > 0
@@ -82,7 +93,7 @@ def test_micro_batches_of_every_shape_are_bit_identical(qwen3_model, mode):
     ref, *_ = decode_in_batches(ref_model, None, tokens)
     ref_model.close()
     model = on_lazy(qwen3_model, cpu_moe=True)
-    got, _, c = decode_in_batches(model, PoolConfig(slots=8, device_mib=65536, mode=mode), tokens)
+    got, _, c = decode_in_batches(model, pool(slots=8, mode=mode), tokens)
     model.close()
     for n, a, b in zip(BATCH_SHAPES, ref, got):
         assert np.array_equal(a, b), f"{mode}: the {n}-token batch changed the logits"
@@ -99,8 +110,39 @@ def test_two_sequences_in_one_batch_are_bit_identical(qwen3_model, stream, mode)
     model = on_lazy(qwen3_model, cpu_moe=True)
     # copy mode pools a step when 2 x top-4 experts fit its slots; hybrid mode any step
     slots = 8 if mode == "copy" else 6
-    got, counters = decode_sequences(model, PoolConfig(slots=slots, device_mib=65536, mode=mode), seqs, n_prompt=4)
+    got, counters = decode_sequences(model, pool(slots=slots, mode=mode), seqs, n_prompt=4)
     model.close()
     assert counters.steps > 0 and counters.evictions > 0
     for r, g in zip(ref, got):
         assert all(np.array_equal(a, b) for a, b in zip(r, g))
+
+
+def test_without_pinned_memory_the_default_upload_path_is_inline(qwen3_model, stream, monkeypatch):
+    """Stream uploads pay where copies from pinned memory run while the host goes on; the lazy device
+    has events but no host buffer type, so the pool takes the inline path unless asked (a setting, or
+    LLAMA_MOE_POOL_UPLOADS), and says so."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    _, _, status, lines = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
+    _, _, asked, asked_lines = decode(model, stream[:24], pool(slots=4), n_prompt=1)
+    monkeypatch.setenv("LLAMA_MOE_POOL_UPLOADS", "stream")
+    _, _, from_env, _ = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
+    model.close()
+    assert status.uploads == "inline" and asked.uploads == "stream" and from_env.uploads == "stream"
+    assert any(line.startswith("expert pool status=enabled") and " uploads=inline" in line for line in lines)
+    assert any(line.startswith("expert pool status=enabled") and " uploads=stream" in line for line in asked_lines)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_staging_smaller_than_a_step_waits_for_its_copies_and_stays_bit_identical(make_model, stream, mode):
+    """1 MiB of staging and experts of 512 KiB per tensor: one step's uploads wrap the ring, so the
+    pool has to wait for copies that still read the staging it reuses (the device aborts if a queued
+    copy's source changes first). Those waits are the pool's own: they count in syncs_per_token."""
+    path = make_model(n_embd=512, n_ff_exp=512)
+    ref = resident(path, stream[:32], n_prompt=1)
+    model = on_lazy(path, cpu_moe=True)
+    small, small_report, status, _ = decode(model, stream[:32], pool(slots=4, mode=mode, staging_mib=1), n_prompt=1)
+    _, roomy_report, _, _ = decode(model, stream[:32], pool(slots=4, mode=mode), n_prompt=1)
+    model.close()
+    assert status.uploads == "stream" and small_report.counters.uploads > 0
+    assert identical(small, ref), f"{mode}: reused staging changed the logits"
+    assert small_report.counters.syncs > roomy_report.counters.syncs, (small_report.counters, roomy_report.counters)

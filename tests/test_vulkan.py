@@ -108,3 +108,19 @@ def test_the_scheduler_waits_for_vulkans_queued_copies_of_host_memory():
     assert "plain: 10 runs, 0 with a wrong result" in result.stdout, result.stdout[-2000:]
     assert "pipelined: 10 runs, 0 with a wrong result" in result.stdout, result.stdout[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_uploads_take_the_stream_path_on_vulkan_and_equal_the_host_copy_path(make_model):
+    """ggml-vulkan has events and a pinned host buffer type: by default misses are staged there and
+    copied on a queue of their own. Copy mode is bit-identical to the host-copy path either way.
+    F32 experts, so that hybrid's two sides differ only in summation order."""
+    r = on_vulkan("uploads", make_model(expert_type="F32"))
+    assert r["copy-default"]["path"] == r["copy-stream"]["path"] == "stream", r
+    assert r["copy-inline"]["path"] == "inline", r
+    for key in ("copy-default", "copy-inline", "copy-stream"):
+        assert r[key]["enabled"] and r[key]["evictions"] > 0 and r[key]["uploads"] > 0, (key, r[key])
+        assert r[key]["equals_host_copy"], (key, r[key])
+    # hybrid: the same bound as test_hybrid_mode_on_vulkan (the two backends' rounding)
+    scale = r["logit_std"]
+    for key in ("hybrid-inline", "hybrid-stream"):
+        assert r[key]["uploads"] > 0 and r[key]["max_abs_diff"] < 1e-3 * scale, (key, r[key])

@@ -160,7 +160,27 @@ def check_prefill(path: str) -> dict:
             "prefill_device_bytes": after.prefill_device_bytes, "prefill_host_bytes": after.prefill_host_bytes}
 
 
-CHECKS = {"parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
+def check_uploads(path: str) -> dict:
+    """Both upload paths at heavy eviction (slots at top-k). Copy mode computes every expert on the
+    device, so either path must equal the host-copy path bit for bit; hybrid mode's split between the
+    CPU and the device follows when uploads land, so it is checked within the two backends' rounding."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(model, STREAM)
+    out = {}
+    for mode in ("copy", "hybrid"):
+        for uploads in (None, "inline", "stream"):
+            logits, counters, status = greedy(model, STREAM, PoolConfig(slots=4, mode=mode, uploads=uploads))
+            key = f"{mode}-{uploads or 'default'}"
+            out[key] = {"path": status.uploads, "equals_host_copy": same(logits, stock),
+                        "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(logits, stock)),
+                        "block_us": counters.block_us, "tokens": counters.tokens, "syncs": counters.syncs,
+                        "uploads": counters.uploads, **report(counters, status)}
+    model.close()
+    out["logit_std"] = float(np.mean([np.std(a) for a in stock]))
+    return out
+
+
+CHECKS = {"uploads": check_uploads, "parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
           "gate": check_gate, "two-contexts": check_two_contexts}
 
 if __name__ == "__main__":

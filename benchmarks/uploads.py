@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The pool's two upload paths side by side, in one process, on one model and one token stream:
+`stream` (misses gathered into pinned staging, copied on an upload queue of their own, ordered with
+events) and `inline` (copies on the compute queue from the mapped weights), for copy and hybrid mode,
+at heavy eviction (slots at top-k) and above.
+
+    python benchmarks/uploads.py [--device vulkan|lazy|rpc] [--tokens 64] [--repeats 3] [--slots 4,8]
+        [--json out.json] [--short]
+
+Per run: decode t/s (median over repeats), the host's time blocked inside the device API in the pool's
+ops per token (`block_us` / tokens: copies that wait, waits for staging) and as a share of the token,
+host waits per token (the scheduler's and the pool's), uploads per token and parity. On every device
+the two paths must give the same logits bit for bit (same kernels, same bytes); on the loopback devices
+every run also equals stock, since all experts run the CPU's kernels.
+
+On lavapipe (--device vulkan) an async copy from pageable memory makes ggml-vulkan synchronize its
+queue inside the call, which is what inline uploads from the mapped weights do; from pinned staging it
+does not. On the lazy-copy device a copy's cost in the call is the device hashing its source (to catch
+reuse). RPC queues every command on its client thread, so both paths behave alike there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from upstream import open_model, relaunch_on_vulkan, spec  # noqa: E402
+
+PATHS = ("inline", "stream")
+MODES = ("copy", "hybrid")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("vulkan", "lazy", "rpc"), default="vulkan")
+    parser.add_argument("--tokens", type=int, default=64, help="decode steps (teacher-forced)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slots", default="4,8", help="pool sizes, slots per expert tensor (4 = top-k)")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--short", action="store_true", help="a quick run: 12 tokens, 1 repeat, 4 slots")
+    args = parser.parse_args(argv)
+    try:
+        args.slot_list = [int(s) for s in args.slots.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--slots {args.slots!r}: expected whole numbers separated by commas, e.g. 4,8")
+    if not args.slot_list or min(args.slot_list) < spec().n_expert_used:
+        parser.error(f"--slots {args.slots!r}: every size must be at least top-k ({spec().n_expert_used})")
+    if args.tokens < 1 or args.repeats < 1:
+        parser.error("--tokens and --repeats must be at least 1")
+    if args.short:
+        args.tokens, args.repeats, args.slot_list = 12, 1, [spec().n_expert_used]
+    return args
+
+
+def one_run(model, stream, pool) -> dict:
+    from pyllamapool.decode import run_context
+    from pyllamapool.llama import Context
+
+    ctx = Context(model, pool=pool)
+    waits = []
+    result = run_context(ctx, stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True,
+                         on_step=lambda _i: waits.append(ctx.host_syncs()))
+    n = len(result.step_latency_ms)
+    row = {"tps": result.decode_tokens_per_s, "waits": sum(waits) / n, "logits": result.logits}
+    if pool is not None:
+        c, s = ctx.pool_counters(), ctx.pool_status(0)
+        token_ms = 1000.0 / row["tps"] if row["tps"] else 0.0
+        row.update(path=s.uploads, mode=s.mode, hit=c.hit_rate, uploads=c.uploads / n,
+                   block_ms=c.block_us_per_token / 1000.0,
+                   block_share=c.block_us_per_token / 1000.0 / token_ms if token_ms else 0.0)
+    ctx.close()
+    return row
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    import numpy as np
+
+    from pyllamapool.pool import PoolConfig
+    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+
+    path = cached_model(spec())
+    stream = token_stream(spec(), StreamSpec(n_tokens=args.tokens + 8, seed=3))
+    model, server, device_mib = open_model(args.device, path)
+    size = {"device_mib": device_mib} if device_mib else {}
+    try:
+        def repeat(pool) -> dict:
+            runs = [one_run(model, stream, pool) for _ in range(args.repeats)]
+            row = {k: v for k, v in runs[0].items()}
+            for k in ("tps", "block_ms", "block_share", "waits"):
+                if k in row:
+                    row[k] = statistics.median(r[k] for r in runs)
+            print({k: v for k, v in row.items() if k != "logits"}, file=sys.stderr, flush=True)
+            return row
+
+        stock = dict(repeat(None), mode="stock", path="-", slots=0)
+        rows = [stock]
+        for mode in MODES:
+            for slots in args.slot_list:
+                by_path = {p: dict(repeat(PoolConfig(slots=slots, mode=mode, uploads=p, **size)), slots=slots)
+                           for p in PATHS}
+                for p in PATHS:
+                    r = by_path[p]
+                    pairs = list(zip(r["logits"], by_path["inline"]["logits"]))
+                    r["equals_inline"] = all(np.array_equal(a, b) for a, b in pairs)
+                    r["max_diff_inline"] = float(max(np.max(np.abs(a - b)) for a, b in pairs))
+                    r["equals_stock"] = all(np.array_equal(a, b) for a, b in zip(r["logits"], stock["logits"]))
+                    rows.append(r)
+        for r in rows:
+            del r["logits"]
+    finally:
+        model.close()
+        if server is not None:
+            server.stop()
+    return rows
+
+
+def vs_inline(r: dict) -> str:
+    # hybrid's split between the CPU and the device follows when uploads land: on a device whose kernels
+    # round differently from the CPU's the two paths' logits differ by that rounding, nothing more
+    if r["path"] == "inline":
+        return "-"
+    return "identical" if r["equals_inline"] else f"max diff {r['max_diff_inline']:.2g}"
+
+
+def table(rows: list[dict], device: str) -> str:
+    stock = rows[0]["tps"] or 1.0
+    out = [f"| mode ({device}) | slots | uploads | t/s | x stock | host blocked ms / token | share of the token | "
+           "host waits / token | uploads / token | hit rate | logits vs inline |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if r["mode"] == "stock":
+            out.append(f"| stock | - | - | {r['tps']:.0f} | 1.00 | - | - | {r['waits']:.1f} | - | - | - |")
+            continue
+        out.append(f"| {r['mode']} | {r['slots']} | {r['path']} | {r['tps']:.0f} | {r['tps'] / stock:.2f} | "
+                   f"{r['block_ms']:.3f} | {r['block_share']:.1%} | {r['waits']:.1f} | {r['uploads']:.1f} | "
+                   f"{r['hit']:.1%} | {vs_inline(r)} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "vulkan":
+        rc = relaunch_on_vulkan(__file__, argv)
+        if rc is not None:
+            return rc
+    rows = measure(args)
+    print(table(rows, args.device))
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "tokens": args.tokens, "repeats": args.repeats,
+                                         "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
