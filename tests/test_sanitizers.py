@@ -51,6 +51,7 @@ def runtime(name: str) -> str:
 def tsan_env(preload: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYLLAMAPOOL_", "LLAMA_MOE_POOL_", "GGML_MOE_POOL"))}
     env["TSAN_OPTIONS"] = "halt_on_error=1:second_deadlock_stack=1"
+    env["GGML_NO_BACKTRACE"] = "1"  # an abort reports and exits; ggml's gdb backtrace can hang attaching
     if preload:
         env["LD_PRELOAD"] = runtime("libtsan.so")
         env.update(loaded_from(TSAN_LIB))
@@ -63,6 +64,7 @@ def sanitizer_env(preload: bool) -> dict[str, str]:
     env["ASAN_OPTIONS"] = f"detect_leaks={0 if preload else 1}:abort_on_error=1:strict_string_checks=1"
     # the ctest ends normally, so leaks are checked at its exit; ggml-rpc's registries live for the process
     env["LSAN_OPTIONS"] = f"suppressions={ROOT / 'tests' / 'lsan.supp'}:print_suppressions=0"
+    env["GGML_NO_BACKTRACE"] = "1"  # an abort reports and exits; ggml's gdb backtrace can hang attaching
     env["UBSAN_OPTIONS"] = f"print_stacktrace=1:halt_on_error=1:suppressions={ROOT / 'tests' / 'ubsan.supp'}"
     if preload:
         env["LD_PRELOAD"] = " ".join(runtime(lib) for lib in ("libasan.so", "libubsan.so"))
