@@ -30,29 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from upstream import open_model, relaunch_on_vulkan, spec  # noqa: E402
+from upstream import check_run_args, open_model, relaunch_on_vulkan, run_args, spec  # noqa: E402
 
 PATHS = ("inline", "stream")
 MODES = ("copy", "hybrid")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("vulkan", "lazy", "rpc"), default="vulkan")
-    parser.add_argument("--tokens", type=int, default=64, help="decode steps (teacher-forced)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--slots", default="4,8", help="pool sizes, slots per expert tensor (4 = top-k)")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser = run_args(__doc__, "vulkan", 64, "4,8")
     parser.add_argument("--short", action="store_true", help="a quick run: 12 tokens, 1 repeat, 4 slots")
     args = parser.parse_args(argv)
-    try:
-        args.slot_list = [int(s) for s in args.slots.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--slots {args.slots!r}: expected whole numbers separated by commas, e.g. 4,8")
-    if not args.slot_list or min(args.slot_list) < spec().n_expert_used:
-        parser.error(f"--slots {args.slots!r}: every size must be at least top-k ({spec().n_expert_used})")
-    if args.tokens < 1 or args.repeats < 1:
-        parser.error("--tokens and --repeats must be at least 1")
+    check_run_args(parser, args, spec().n_expert_used)  # copy mode needs top-k slots
     if args.short:
         args.tokens, args.repeats, args.slot_list = 12, 1, [spec().n_expert_used]
     return args

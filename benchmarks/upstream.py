@@ -40,24 +40,35 @@ sys.path.insert(0, str(ROOT))
 VULKAN_LIB = ROOT / "build" / "vulkan-install" / "pyllamapool" / "lib"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("rpc", "vulkan", "lazy"), default="rpc")
-    parser.add_argument("--tokens", type=int, default=96, help="decode steps (teacher-forced)")
+def run_args(doc: str, device: str, tokens: int, slots: str) -> argparse.ArgumentParser:
+    """The options both side-by-side benchmarks take (device, tokens, repeats, slots, JSON out)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("rpc", "vulkan", "lazy"), default=device)
+    parser.add_argument("--tokens", type=int, default=tokens, help="decode steps (teacher-forced)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--slots", default="4,8,16", help="pool sizes, slots per expert tensor")
+    parser.add_argument("--slots", default=slots, help="pool sizes, slots per expert tensor")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
-    parser.add_argument("--short", action="store_true", help="a quick run: 16 tokens, 1 repeat, 8 slots")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace, min_slots: int) -> None:
+    """--slots into args.slot_list, each at least min_slots; tokens and repeats at least 1."""
     try:
         args.slot_list = [int(s) for s in args.slots.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--slots {args.slots!r}: expected whole numbers separated by commas, e.g. 4,8,16")
-    if not args.slot_list or min(args.slot_list) < 1:
-        parser.error(f"--slots {args.slots!r}: every size must be at least 1 slot")
+    if not args.slot_list or min(args.slot_list) < min_slots:
+        parser.error(f"--slots {args.slots!r}: every size must be at least {min_slots} slot(s)")
     if args.tokens < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be at least 1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = run_args(__doc__, "rpc", 96, "4,8,16")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.add_argument("--short", action="store_true", help="a quick run: 16 tokens, 1 repeat, 8 slots")
+    args = parser.parse_args(argv)
+    check_run_args(parser, args, 1)
     if args.short:
         args.tokens, args.repeats, args.slot_list = 16, 1, [8]
     return args

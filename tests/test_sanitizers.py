@@ -48,10 +48,17 @@ def runtime(name: str) -> str:
     return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def tsan_env(preload: bool) -> dict[str, str]:
+def clean_env() -> dict[str, str]:
+    """This environment without the pool's and pyllamapool's settings; an abort reports and exits
+    (ggml's gdb backtrace can hang attaching under a sanitizer)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYLLAMAPOOL_", "LLAMA_MOE_POOL_", "GGML_MOE_POOL"))}
+    env["GGML_NO_BACKTRACE"] = "1"
+    return env
+
+
+def tsan_env(preload: bool) -> dict[str, str]:
+    env = clean_env()
     env["TSAN_OPTIONS"] = "halt_on_error=1:second_deadlock_stack=1"
-    env["GGML_NO_BACKTRACE"] = "1"  # an abort reports and exits; ggml's gdb backtrace can hang attaching
     if preload:
         env["LD_PRELOAD"] = runtime("libtsan.so")
         env.update(loaded_from(TSAN_LIB))
@@ -59,12 +66,11 @@ def tsan_env(preload: bool) -> dict[str, str]:
 
 
 def sanitizer_env(preload: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYLLAMAPOOL_", "LLAMA_MOE_POOL_", "GGML_MOE_POOL"))}
+    env = clean_env()
     # Python itself leaks by design at exit: leak checking is for the ctest only
     env["ASAN_OPTIONS"] = f"detect_leaks={0 if preload else 1}:abort_on_error=1:strict_string_checks=1"
     # the ctest ends normally, so leaks are checked at its exit; ggml-rpc's registries live for the process
     env["LSAN_OPTIONS"] = f"suppressions={ROOT / 'tests' / 'lsan.supp'}:print_suppressions=0"
-    env["GGML_NO_BACKTRACE"] = "1"  # an abort reports and exits; ggml's gdb backtrace can hang attaching
     env["UBSAN_OPTIONS"] = f"print_stacktrace=1:halt_on_error=1:suppressions={ROOT / 'tests' / 'ubsan.supp'}"
     if preload:
         env["LD_PRELOAD"] = " ".join(runtime(lib) for lib in ("libasan.so", "libubsan.so"))
@@ -87,11 +93,15 @@ def assert_clean(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0 and not found, (found, out[-4000:])
 
 
-@needs_asan
-def test_the_expert_pool_ctest_is_clean_under_sanitizers():
-    result = subprocess.run([str(CTEST)], capture_output=True, text=True, timeout=900, env=sanitizer_env(False))
+def assert_ctest_clean(ctest: Path, env: dict[str, str]) -> None:
+    result = subprocess.run([str(ctest)], capture_output=True, text=True, timeout=900, env=env)
     assert_clean(result)
     assert " 0 failed" in result.stdout + result.stderr
+
+
+@needs_asan
+def test_the_expert_pool_ctest_is_clean_under_sanitizers():
+    assert_ctest_clean(CTEST, sanitizer_env(False))
 
 
 @needs_asan
@@ -117,9 +127,7 @@ def test_pooled_decode_on_the_lazy_copy_device_is_clean_under_sanitizers():
 
 @needs_tsan
 def test_the_expert_pool_ctest_is_clean_under_thread_sanitizer():
-    result = subprocess.run([str(TSAN_CTEST)], capture_output=True, text=True, timeout=900, env=tsan_env(False))
-    assert_clean(result)
-    assert " 0 failed" in result.stdout + result.stderr
+    assert_ctest_clean(TSAN_CTEST, tsan_env(False))
 
 
 @needs_tsan
