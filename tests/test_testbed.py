@@ -5,6 +5,7 @@ import hashlib
 import logging
 import socket
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,6 +180,39 @@ def test_llama_cpp_loads_and_decodes_every_architecture_and_storage_type(make_mo
     result = run(path, [1, 2, 3], 4)
     assert len(result.tokens) == 4
     assert all(0 <= t < 512 for t in result.tokens)
+
+
+_AMX_PROBE = """
+import sys
+from pyllamapool import logs
+from pyllamapool.llama import Model
+with logs.capture() as lines:
+    Model(sys.argv[1]).close()
+print(any("AMX" in text for _, text in lines))
+"""
+
+
+def _takes_amx_buffer(path, **env: str) -> bool:
+    import os
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if k != "GGML_AMX"}
+    result = subprocess.run([sys.executable, "-c", _AMX_PROBE, str(path)], capture_output=True, text=True,
+                            timeout=120, env={**clean, **env})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_a_prompt_decodes_through_q8_0_matrices_on_the_cpu_and_amx_is_only_taken_when_asked(make_model):
+    """Patch 0004: on an AMX-INT8 Xeon upstream's AMX matmul faults on prompt-sized Q8_0 batches
+    (llama.cpp #20824), so the AMX buffer type is opt-in (GGML_AMX=1)."""
+    path = make_model(expert_type="Q4_K", n_embd=256, n_ff_exp=256)  # llama-quantize: Q8_0 projections
+    assert not _takes_amx_buffer(path)
+    result = run(path, list(range(1, 17)), 2, offload=Offload(n_gpu_layers=0, n_threads=1))
+    assert len(result.tokens) == 2
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "amx_int8" in cpuinfo.read_text():
+        assert _takes_amx_buffer(path, GGML_AMX="1")  # the opt-in reaches upstream's buffer type
 
 
 # --------------------------------------------------------------------------------------------
