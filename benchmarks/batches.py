@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hit rates per micro-batch size on the loopback RPC testbed, as speculative verification and several
-sequences produce them, for copy and hybrid mode; prints the README's Markdown table.
+sequences produce them, for copy and hybrid mode; prints docs/batches.md's Markdown table.
 
 One sequence is decoded in micro-batches that cycle through 1, 4, 8, 16, 32 and 48 tokens (a draft of
 k tokens is verified in a batch of k + 1). Batches of up to LLAMA_MOE_POOL_MAX_BATCH (32) use the pool;

@@ -1,25 +1,35 @@
 #!/usr/bin/env python3
-"""The GPU check: what the expert pool does on a real card, measured side by side in one process.
+"""The GPU check: hybrid, copy, stock --n-cpu-moe and llama.cpp's own expert cache, timed side by side
+in one process on a real card at a real model's shape, within one GPU lease.
 
-On a CUDA or ROCm machine, two commands (each fits a 10-minute slot on 16 cores):
+    python benchmarks/gpu_check.py plan                                # the dry run: steps and seconds
+    python benchmarks/gpu_check.py build --target cuda --arch 90       # ~270 s on 16 cores (FA off)
+    python benchmarks/gpu_check.py run --out gpu-check.json            # stops at --deadline-s (540)
 
-    python benchmarks/gpu_check.py build --target cuda --arch 90      # or --target hip --arch gfx906
-    python benchmarks/gpu_check.py run --out gpu-check.json           # a few-GB synthetic MoE
+`run` writes a Qwen3-30B-A3B-shaped model (48 MoE layers x 128 experts, top-8, 2048 x 768, 16 GB of
+Q4_K experts, written as random valid blocks at disk speed; `--geometry` also takes the small shapes),
+then runs its steps in order of importance, each only if it fits before the deadline (a step of
+several runs starts when its first fits, and stops at the deadline), and a step that fails is recorded
+and the next one runs:
 
-`build` makes a trimmed build (no FlashAttention kernels) into build/gpu-check. `run` generates a
-synthetic MoE at a realistic geometry (default 24 layers, 128 experts, top-8, Q4_K experts) and measures:
-host -> device upload bandwidth (pageable and pinned) and per-copy latency; decode t/s of the stock
---n-cpu-moe path and of copy mode at several -mec on emulated 16 GB and 24 GB cards
-(LLAMA_MOE_POOL_DEVICE_MIB), with hit rate and bytes copied per token; the host's cost per expert
-computed on the CPU; and parity (pool vs the stock host-copy path on the GPU, bit for bit). It writes one
-JSON file (schema pyllamapool.gpu-check/1) and prints a table.
+ 1. upload         host -> device bandwidth, pageable and pinned, and one small copy's latency
+ 2. first-card     stock, then hybrid and copy (default uploads) at each -mec on an emulated 16 GB card
+ 3. upstream-first llama.cpp's --moe-cache-mib at each copy pool's device bytes (equal memory)
+ 4. inline-first   hybrid and copy with uploads=inline
+ 5. other-cards    hybrid, copy and upstream's cache on the other emulated cards (24 GB)
+ 6. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
+ 7. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
+ 8. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
+ 9. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
 
-    python benchmarks/gpu_check.py run --testbed --geometry tiny      # CPU-only: the loopback RPC device
+then `pyllamapool predict` with the profile this run measured beside every measured row. It writes the
+JSON (schema pyllamapool.gpu-check/2) after every step, so a run cut short keeps what it measured, and
+a Markdown table beside it.
 
-The testbed mode runs the same code on the RPC device (CI runs it, so the script is never untested);
-its timings are loopback and shared cores, not a GPU. Copy and hybrid mode are measured at each -mec,
-and beside them llama.cpp's own expert cache (--moe-cache-mib) given the copy-mode pool's device bytes
-(rounded up to whole MiB), so the four designs meet at equal memory in one process.
+    python benchmarks/gpu_check.py run --testbed --geometry tiny       # CPU only: the loopback RPC device
+
+The testbed mode runs the same steps on the RPC device (CI runs it); its timings are loopback copies on
+shared cores, not a GPU. Emulated cards are LLAMA_MOE_POOL_DEVICE_MIB.
 """
 from __future__ import annotations
 
@@ -30,25 +40,697 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 PREFIX = ROOT / "build" / "gpu-check"
-SCHEMA = "pyllamapool.gpu-check/1"
+SCHEMA = "pyllamapool.gpu-check/2"
+from pyllamapool.terminal import table_console  # noqa: E402
 
-GEOMETRIES = {
-    # name: ModelSpec changes; "realistic" is ~5 GB of Q4_K experts (a 30B-A3B-like layer shape)
-    "realistic": dict(n_layer=24, n_embd=2048, n_head=16, n_head_kv=4, n_expert=128, n_expert_used=8,
-                      n_ff_exp=512, n_vocab=4096, expert_type="Q4_K"),
-    # ~2 GB of Q4_K experts of a 30B-A3B expert's size (2.6 MB each): made in about a minute on 16 cores
-    "medium": dict(n_layer=12, n_embd=2048, n_head=16, n_head_kv=4, n_expert=64, n_expert_used=8,
-                   n_ff_exp=768, n_vocab=4096, expert_type="Q4_K"),
-    "small": dict(n_layer=8, n_embd=1024, n_head=8, n_head_kv=2, n_expert=64, n_expert_used=8,
-                  n_ff_exp=256, n_vocab=2048, expert_type="Q4_K"),
-    "tiny": dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_expert=16, n_expert_used=4,
-                 n_ff_exp=256, n_vocab=512, expert_type="Q4_K"),
-}
+PLAN_PROFILE = ROOT / "benchmarks" / "results" / "gpu-check-h200-small.json"
+#: measured on the H200 lease of 2026-11: `gpu_check.py build --target cuda --arch 90`, 16 cores
+CUDA_BUILD_S = 266.0
+#: a lease's device time, and what one command may take
+LEASE_S, COMMAND_S = 15 * 60, 10 * 60
+PROMPT = 8
+ROUTING_PRESET = "qwen3-30b-a3b"
+
+
+# --------------------------------------------------------------------------------------------
+# what one decode run costs: the dry run's estimates, and the deadline's
+
+
+@dataclass
+class Estimator:
+    """Seconds per step from `pyllamapool predict`'s cost model and a profile, plus fixed costs per
+    context and per model load. On a GPU these are guesses until a run has measured them; each step's
+    measured seconds sit beside its estimate in the report."""
+    spec: object
+    profile: object
+    tokens: int
+    testbed: bool
+    generate_s_per_gb: float = 1.0
+    _ms: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from pyllamapool import predict as P
+
+        s = self.spec
+        self.expert_bytes = P._expert_bytes_of_spec(s.__dict__)
+        attn = s.n_layer * (2 * s.n_embd * s.n_embd + 2 * s.n_embd * (s.n_embd // s.n_head * s.n_head_kv)) * 2
+        self.dense_bytes = attn + 2 * s.n_vocab * s.n_embd * 2 + s.n_layer * s.n_expert * s.n_embd * 4
+        self.expert_total = self.expert_bytes * s.n_expert * s.n_layer
+        self.geometry = P.Geometry("plan", n_host_layers=s.n_layer, n_expert=s.n_expert, top_k=s.n_expert_used,
+                                   expert_bytes=self.expert_bytes,
+                                   dense_ms=self.dense_bytes / self.profile.device_gb_s * 1e-6
+                                   + s.n_layer * P.BLOCK_OVERHEAD_MS)
+        self.routing = P.Routing.from_preset(ROUTING_PRESET, 0, n_expert=s.n_expert, top_k=s.n_expert_used,
+                                             n_tokens=300)
+        self.context_s = 0.3 if self.testbed else 1.0   # context, KV cache and pool allocation, warm-up
+
+    def ms_per_token(self, mode: str, mec: int = 0) -> float:
+        from pyllamapool import predict as P
+
+        if mode.endswith("-resident"):  # a pool holding every expert: nothing misses after warm-up
+            mode, mec = mode.removesuffix("-resident"), self.spec.n_expert
+        key = (mode, mec)
+        if key not in self._ms:
+            modes = {"upstream": "merged-lru", "resident": "stock"}.get(mode, mode)
+            g = self.geometry
+            if mode == "resident":  # every expert on the device: no host layers
+                g = P.Geometry("plan", 0, g.n_expert, g.top_k, g.expert_bytes,
+                               g.dense_ms + g.n_host_layers * g.top_k * self.expert_bytes / self.profile.device_gb_s * 1e-6)
+            self._ms[key] = P.predict(g, self.profile, self.routing, mec if mode != "resident" else 0,
+                                      modes=(modes,))[0].ms_per_token
+        return self._ms[key]
+
+    def run_s(self, mode: str, mec: int = 0) -> float:
+        ms = self.ms_per_token(mode, mec)
+        prefill = 4 * self.ms_per_token("stock")  # an 8-token prompt on the stock path
+        return self.context_s + (self.tokens * ms + prefill) / 1000.0
+
+    def load_s(self, resident: bool = False) -> float:
+        on_device = self.dense_bytes + (self.expert_total if resident else 0)
+        # the host side reads (and, for repacked types, rewrites) the experts: page cache speed
+        on_host = 0 if resident else self.expert_total / 4e9
+        return 1.0 + on_device / (self.profile.pageable_gb_s * 1e9) + on_host
+
+    def generate_s(self) -> float:
+        return (self.expert_total + self.dense_bytes) / 1e9 * self.generate_s_per_gb
+
+    def child_s(self, runs: int) -> float:
+        """A child process (parity): start, backend init, a small model's load and its runs."""
+        return (3.0 if not self.testbed else 1.5) + runs * 1.5
+
+
+# --------------------------------------------------------------------------------------------
+# the steps
+
+
+@dataclass
+class Step:
+    name: str
+    title: str
+    estimate: Callable[["Check"], float]
+    run: Callable[["Check"], None]
+    #: the step checks the deadline before each of its runs, so it starts whenever its first fits
+    per_run: bool = True
+
+
+class DeadlineReached(Exception):
+    pass
+
+
+class Check:
+    """One run of the check: the model, the sessions, the report, the clock."""
+
+    def __init__(self, args, console) -> None:
+        from pyllamapool.fullsize import shape
+
+        self.args, self.console = args, console
+        self.t0 = time.perf_counter()
+        self.spec = shape(args.geometry)
+        self.rows: list[dict] = []
+        self.report: dict = {"schema": SCHEMA, "geometry": args.geometry, "spec": self.spec.__dict__,
+                             "tokens": args.tokens, "testbed": args.testbed, "deadline_s": args.deadline_s,
+                             "rows": self.rows, "steps": []}
+        self.est: Estimator | None = None
+        self.stack = ExitStack()
+        self.rpc: tuple[str, ...] = ()
+        self._sessions: dict[str, object] = {}
+        self.pool_bytes: dict[tuple[int, int], int] = {}
+
+    # the clock
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def fits(self, seconds: float) -> bool:
+        return self.elapsed() + seconds <= self.args.deadline_s
+
+    # sessions, loaded on first use and kept for the run
+    def session(self, kind: str):
+        from pyllamapool.offload import Offload
+        from pyllamapool.session import PoolSession
+
+        if kind not in self._sessions:
+            offload = {"offloaded": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048),
+                       # upstream's cache caches only experts in plain host buffers: where the CPU
+                       # repacks the type it runs on a --no-repack load, as its users must
+                       "unrepacked": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048, repack=False),
+                       "resident": Offload(rpc=self.rpc, n_ctx=2048)}[kind]
+            for other in [k for k in self._sessions if (k == "resident") != (kind == "resident")]:
+                self._sessions.pop(other).close()  # never two copies of the experts on the device
+            self._sessions[kind] = PoolSession(self.model_path, offload)
+        return self._sessions[kind]
+
+    def close(self) -> None:
+        for s in self._sessions.values():
+            s.close()
+        self._sessions.clear()
+        self.stack.close()
+
+    # one decode run -> one row
+    def decode(self, step: str, label: str, kind: str, mec: int = 0, card: int | None = None,
+               pool=None, moe_cache_mib: int = 0) -> dict | None:
+        est = self.est.run_s(label, mec) + (self.est.load_s(kind == "resident") if kind not in self._sessions else 0)
+        if not self.fits(est):
+            self.rows.append({"step": step, "mode": label, "card_mib": card, "slots": mec, "skipped": "deadline",
+                              "est_s": round(est, 1)})
+            raise DeadlineReached
+        t = time.perf_counter()
+        run = self.session(kind).run(self.stream[:PROMPT], 0, pool=pool, teacher_tokens=self.stream[PROMPT:],
+                                     moe_cache_mib=moe_cache_mib)
+        row = (upstream_row(run, self.n, card, moe_cache_mib, mec) if moe_cache_mib
+               else decode_row(label, run, self.n, card))
+        if moe_cache_mib and run.moe_cache is None and kind == "offloaded":
+            return None  # upstream's cache refused the repacked experts: the caller retries unrepacked
+        row.update(step=step, est_s=round(est, 1), wall_s=round(time.perf_counter() - t, 1), mec=mec)
+        self.rows.append(row)
+        self.console.print(f"  {step}: {label}{'' if not mec else f' -mec {mec}'}"
+                           f"{'' if not card else f' card {card} MiB'}: {row['decode_tps']:.1f} t/s, "
+                           f"hit rate {row['hit_rate']:.1%}, {row.get('status', '')} ({row.get('limited_by', '')})")
+        if label == "copy" and card:
+            self.pool_bytes[(card, mec)] = sum(m.pool for m in run.memory)
+        return row
+
+    def write(self) -> None:
+        out = Path(self.args.out)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str))
+        tmp.replace(out)
+
+
+def upstream_row(run, n_tokens: int, card_mib: int | None, cache_mib: int, slots: int) -> dict:
+    """llama.cpp's own cache: its figures come from its log (hits, misses, MiB uploaded)."""
+    st = run.moe_cache
+    return {"mode": "upstream", "card_mib": card_mib, "slots": slots, "cache_mib": cache_mib,
+            "status": "enabled" if st else "disabled", "reason": "" if st else "no cache in the log",
+            "actual_slots": st.slots if st else 0, "limited_by": f"{cache_mib} MiB",
+            "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": st.hit_rate if st else 0.0,
+            "copy_bytes_per_token": (st.uploaded_mib * 2**20 / max(1, n_tokens)) if st else 0.0,
+            "evictions": 0, "cpu_experts": 0, "deferred": 0, "syncs_per_token": 0.0}
+
+
+def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
+    c, s = run.counters, run.status
+    return {"mode": label, "card_mib": card_mib, "slots": run.config.slot_list[0] if run.config.slots else 0,
+            "status": "enabled" if s.enabled else "disabled", "reason": s.reason, "actual_slots": s.actual_slots,
+            "limited_by": s.limited_by, "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": c.hit_rate,
+            "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions,
+            "cpu_experts": c.cpu_experts, "cpu_experts_per_token": c.cpu_experts / max(1, n_tokens),
+            "deferred": c.deferred, "syncs_per_token": c.syncs_per_token,
+            "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0}
+
+
+def step_upload(c: Check) -> None:
+    from pyllamapool.measure import measure_link
+
+    c.report["upload"] = measure_link(c.device.name, mib=c.args.upload_mib)
+    c.console.print(f"  upload: {c.report['upload']}")
+
+
+def _card_runs(c: Check, step: str, card: int, modes: tuple[str, ...], uploads: str | None) -> None:
+    from pyllamapool.pool import PoolConfig
+
+    for mec in c.args.mec:
+        for mode in modes:
+            c.decode(step, mode, "offloaded", mec, card, pool=PoolConfig(slots=mec, device_mib=card, mode=mode,
+                                                                         uploads=uploads))
+
+
+def _first_card_uploads(c: Check) -> str | None:
+    # a GPU takes its default (stream where the device has events and pinned memory); RPC's default is
+    # inline, so the testbed asks for stream to run both paths
+    return "stream" if c.args.testbed else None
+
+
+def step_card_first(c: Check) -> None:
+    c.decode("first-card", "stock", "offloaded")
+    _card_runs(c, "first-card", c.args.card_mib[0], ("hybrid", "copy"), _first_card_uploads(c))
+
+
+def _upstream(c: Check, step: str, card: int) -> None:
+    from pyllamapool.moecache import equal_memory_mib
+
+    for mec in c.args.mec:
+        cache_mib = equal_memory_mib(c.pool_bytes.get((card, mec), 0))
+        if cache_mib <= 0:
+            continue  # the copy pool was not admitted on this card: nothing to match
+        row = c.decode(step, "upstream", "offloaded", mec, card, moe_cache_mib=cache_mib)
+        if row is None:
+            row = c.decode(step, "upstream", "unrepacked", mec, card, moe_cache_mib=cache_mib)
+            row["no_repack"] = True
+
+
+def step_upstream_first(c: Check) -> None:
+    _upstream(c, "upstream-first", c.args.card_mib[0])
+
+
+def step_inline(c: Check) -> None:
+    _card_runs(c, "inline-first", c.args.card_mib[0], ("hybrid", "copy"), "inline")
+
+
+def _resident_fits(c: Check) -> bool:
+    return c.args.testbed or c.device.total_bytes > 1.25 * c.model_path.stat().st_size
+
+
+def step_resident(c: Check) -> None:
+    """Each design with every expert on the device: what it costs per layer when nothing misses."""
+    from pyllamapool.pool import PoolConfig
+
+    if not _resident_fits(c):
+        c.report["resident_skipped"] = "the device does not hold every expert"
+        return
+    full = c.spec.n_expert
+    for mode in ("hybrid", "copy"):
+        c.decode("resident", f"{mode}-resident", "offloaded", full, None,
+                 pool=PoolConfig(slots=full, mode=mode, uploads=_first_card_uploads(c)))
+    c.decode("resident", "resident", "resident")
+
+
+def step_card_second(c: Check) -> None:
+    for card in c.args.card_mib[1:]:
+        _card_runs(c, "other-cards", card, ("hybrid", "copy"), _first_card_uploads(c))
+        _upstream(c, "other-cards", card)
+
+
+def _child(c: Check, *argv: str, **env: str) -> dict:
+    """A child's JSON verdict; a child that fails, hangs past the deadline or prints no verdict is a
+    failed comparison (never a pass), with what it printed."""
+    cmd = [sys.executable, __file__, "child", *argv] + (["--testbed"] if c.args.testbed else [])
+    failed = {"bit_identical": False, "within_bound": False}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env},
+                           timeout=max(30.0, c.args.deadline_s - c.elapsed()))
+    except subprocess.TimeoutExpired as e:
+        return {**failed, "error": f"timed out after {e.timeout:.0f} s"}
+    if r.returncode != 0:
+        return {**failed, "error": (r.stdout + r.stderr)[-2000:], "rc": r.returncode}
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {**failed, "error": "no verdict in the child's output: " + (r.stdout + r.stderr)[-2000:]}
+
+
+def step_parity(c: Check) -> None:
+    """Copy mode against the stock host-copy path (the scheduler copies each expert tensor to the
+    device and computes there, even for one token: GGML_OP_OFFLOAD_MIN_BATCH=1, which a backend reads
+    when it initialises, hence a child); on the testbed against the all-resident run. Hybrid against
+    stock (experts on the CPU), bounded by how far the device's own path is from stock."""
+    geometry = c.args.parity_geometry
+    logits = Path(c.args.out).with_suffix(".device-logits.npy")
+    logits.unlink(missing_ok=True)  # an earlier run's file must never bound this one
+    device_side = _child(c, "parity", "--geometry", geometry, "--tokens", str(c.args.tokens),
+                         "--side", "device", "--logits", str(logits), GGML_OP_OFFLOAD_MIN_BATCH="1")
+    if "error" in device_side:
+        host_side = {"within_bound": False, "error": "no device-side logits to bound hybrid with"}
+    else:
+        host_side = _child(c, "parity", "--geometry", geometry, "--tokens", str(c.args.tokens), "--side", "host",
+                           "--logits", str(logits))
+    c.report["parity"] = {**device_side, "hybrid": host_side, "geometry": geometry}
+    ok = device_side.get("bit_identical")
+    c.console.print(f"  parity: copy vs {device_side.get('against')}: {'bit-identical' if ok else 'DIFFERS'}; hybrid "
+                    f"vs stock max |dlogit| {host_side.get('hybrid_max_abs_diff')}, bound {host_side.get('bound')}")
+
+
+def step_parity_types(c: Check) -> None:
+    """Every expert type on the tiny shape. A type that differs is run again with the CUDA backend's op
+    fusion off (on the H200, F16/F32 experts differed and quantized ones did not; the suspect is the
+    gate/up MUL_MAT_ID + GLU fusion, which picks another kernel for float types)."""
+    rows = c.report.setdefault("parity_by_type", [])
+    for expert_type in c.args.parity_types:
+        if not c.fits(c.est.child_s(2)):
+            rows.append({"expert_type": expert_type, "skipped": "deadline"})
+            raise DeadlineReached
+        argv = ("parity", "--geometry", "tiny", "--tokens", str(c.args.tokens), "--side", "device",
+                "--expert-type", expert_type)
+        row = _child(c, *argv, GGML_OP_OFFLOAD_MIN_BATCH="1")
+        row.setdefault("expert_type", expert_type)
+        if not row.get("bit_identical") and not c.args.testbed and "error" not in row and c.fits(c.est.child_s(2)):
+            row["fusion_off"] = _child(c, *argv, GGML_OP_OFFLOAD_MIN_BATCH="1", GGML_CUDA_DISABLE_FUSION="1")
+        rows.append(row)
+
+
+def step_cxx_runtime(c: Check) -> None:
+    """The binding puts the system libstdc++ in the global scope before libllama (a CUDA 13 ggml-cuda
+    exported its own copy, and model loading crashed in print_info). This run went through that rule;
+    a child without it says whether this machine still needs it."""
+    c.report["cxx_runtime"] = {"this_process": cxx_runtime_in_process(),
+                               "without_rule": _child(c, "load", PYLLAMAPOOL_CXX_RUNTIME_FIRST="0")}
+
+
+def cxx_runtime_in_process() -> dict:
+    from pyllamapool import _ffi
+
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if "libstdc++" in line})
+    return {"preloaded": _ffi.CXX_RUNTIME, "mapped": libs}
+
+
+def step_predict(c: Check) -> None:
+    """`pyllamapool predict` with the profile this run measured, beside every measured row."""
+    from pyllamapool import predict as P
+
+    if "upload" not in c.report or not any(r["mode"] == "stock" and "decode_tps" in r for r in c.rows):
+        return
+    stock = next(r for r in c.rows if r["mode"] == "stock" and "decode_tps" in r)
+    resident = next((r for r in c.rows if r["mode"] == "resident" and "decode_tps" in r), None)
+    if resident:
+        gap_ms = 1000.0 / stock["decode_tps"] - 1000.0 / resident["decode_tps"]
+        c.report["host_expert_ms"] = max(1e-6, gap_ms) / (c.spec.n_layer * c.spec.n_expert_used)
+    try:
+        profile = P.HardwareProfile.from_gpu_check_report(c.report, "this run")
+    except Exception as e:  # no host cost measured (the resident run did not fit): the plan's profile
+        c.report["predict_profile_note"] = str(e)
+        profile = c.est.profile
+    try:
+        g = P.geometry_from_gguf(c.model_path, profile, stock_tps=stock["decode_tps"])
+    except P.PyllamapoolError as e:  # the measured figures contradict each other: say so, predict nothing
+        c.report["predict_error"] = str(e)
+        return
+    routing = c.est.routing
+    for r in c.rows:
+        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream") or \
+                (r["mode"] != "stock" and r.get("status") == "disabled"):
+            continue
+        mode = {"upstream": "merged-lru"}.get(r["mode"], r["mode"])
+        slots = r["actual_slots"] if mode != "merged-lru" else r["slots"]
+        pred = P.predict(g, profile, routing, slots, modes=(mode,))[0] if mode != "stock" else None
+        r["predicted_tps"] = pred.tokens_per_s if pred else P._tps_at_hit_rate(g, profile, "stock", 0.0, True)
+        r["predicted_hit_rate"] = pred.hit_rate if pred else 0.0
+        if mode in ("copy", "hybrid"):
+            r["predicted_tps_at_measured_hits"] = P._tps_at_hit_rate(g, profile, mode, r["hit_rate"], True)
+        r["prediction_error"] = r["predicted_tps"] / r["decode_tps"] - 1 if r["decode_tps"] else None
+    c.report["predict_profile"] = profile.__dict__
+
+
+STEPS = (
+    Step("upload", "host -> device bandwidth and copy latency", lambda c: 3.0, step_upload),
+    Step("first-card", "stock, hybrid and copy on the first card", lambda c: c.est.run_s("stock") + sum(
+        c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")) + c.est.load_s(), step_card_first),
+    Step("upstream-first", "llama.cpp's --moe-cache-mib at equal memory", lambda c: sum(
+        c.est.run_s("upstream", mec) for mec in c.args.mec) + c.est.load_s(), step_upstream_first),
+    Step("inline-first", "copy and hybrid with uploads=inline", lambda c: sum(
+        c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")), step_inline),
+    Step("other-cards", "the second card", lambda c: sum(c.est.run_s(m, mec) for mec in c.args.mec for m in (
+        "hybrid", "copy", "upstream")) * (len(c.args.card_mib) - 1) + c.est.load_s(), step_card_second),
+    Step("resident", "every expert on the device, per design", lambda c: 2 * c.est.run_s("copy", c.spec.n_expert)
+         + c.est.run_s("resident") + c.est.load_s(True), step_resident),
+    Step("parity", "copy bit for bit, hybrid within the bound", lambda c: 2 * c.est.child_s(3), step_parity,
+         per_run=False),
+    Step("parity-types", "every expert type", lambda c: len(c.args.parity_types) * c.est.child_s(2),
+         step_parity_types),
+    Step("cxx-runtime", "the libstdc++ rule", lambda c: c.est.child_s(1), step_cxx_runtime, per_run=False),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# children: parity sides and a bare load, each in a process of its own
+
+
+def child(args) -> int:
+    if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
+        os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
+    if args.what == "load":
+        from pyllamapool.llama import Model
+        from pyllamapool.testmodel import ModelSpec, cached_model
+        m = Model(cached_model(ModelSpec()))
+        print(json.dumps({"loaded": True, "n_expert": m.n_expert}))
+        m.close()
+        return 0
+    print(json.dumps(parity(args)))
+    return 0
+
+
+def _parity_model(args):
+    from pyllamapool.fullsize import cached_fullsize, shape
+    from pyllamapool.testmodel import ModelSpec, cached_model
+
+    if args.expert_type:  # the tiny shape through llama-quantize: every type, from float weights
+        spec = ModelSpec(**{**shape(args.geometry).__dict__, "expert_type": args.expert_type})
+        return spec, cached_model(spec)
+    spec = shape(args.geometry)
+    return spec, cached_fullsize(spec)[0]
+
+
+def parity(args) -> dict:
+    """One side of the parity step. device: copy mode (every slot evicting) against the device's own
+    stock path (host-copy offload on a GPU, the all-resident run on the testbed), bit for bit.
+    host: hybrid and stock with experts on the CPU; the bound is the device side's distance from stock."""
+    import numpy as np
+
+    from pyllamapool.llama import add_rpc_server
+    from pyllamapool.offload import Offload
+    from pyllamapool.pool import PoolConfig
+    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.session import PoolSession
+    from pyllamapool.testmodel import StreamSpec, token_stream
+
+    spec, model_path = _parity_model(args)
+    stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + PROMPT, seed=11))
+
+    def run(session, pool=None):
+        return session.run(stream[:PROMPT], 0, pool=pool, teacher_tokens=stream[PROMPT:], keep_logits=True)
+
+    def max_diff(a, b) -> float:
+        if len(a) != len(b) or any(np.shape(x) != np.shape(y) for x, y in zip(a, b)):
+            raise SystemExit(f"logits of {len(a)} and {len(b)} steps (or of other widths) cannot be compared")
+        return float(max(np.max(np.abs(x - y)) for x, y in zip(a, b)))
+
+    heavy = PoolConfig(slots=spec.n_expert_used, mode="copy", device_mib=65536)
+    with ExitStack() as stack:
+        rpc: tuple[str, ...] = ()
+        if args.testbed:
+            server = stack.enter_context(start_rpc_server())
+            rpc = (server.endpoint,)
+            add_rpc_server(server.endpoint)
+        # the testbed's bit-identity holds with the CPU's plain kernels: a repacked CPU computes the
+        # prompt (the stock path's) as stock rounds, which the all-resident run does not; on random
+        # Q4_K blocks the two differ where llama-quantize's blocks did not
+        repack = not (args.testbed and args.side == "device")
+        offloaded = stack.enter_context(PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=1024,
+                                                                        repack=repack)))
+        if args.side == "device":
+            pooled = run(offloaded, heavy)
+            if args.testbed:
+                reference = run(stack.enter_context(PoolSession(model_path, Offload(rpc=rpc, n_ctx=1024))))
+            else:
+                reference = run(offloaded)
+            a, b = pooled.decode.logits, reference.decode.logits
+            if args.logits:
+                np.save(args.logits, np.array(b))
+            return {"against": "all-resident (testbed)" if args.testbed else "stock host-copy path on the device",
+                    "bit_identical": len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b)),
+                    "max_abs_diff": max_diff(a, b) if len(a) == len(b) else None,
+                    "evictions": pooled.counters.evictions, "steps": len(a), "expert_type": spec.expert_type}
+        stock = run(offloaded)
+        hybrid = run(offloaded, PoolConfig(slots=max(spec.n_expert_used, spec.n_expert // 4), mode="hybrid",
+                                           device_mib=65536))
+        device = [x for x in np.load(args.logits)] if args.logits and Path(args.logits).exists() else None
+        bound = 2 * max_diff(device, stock.decode.logits) if device is not None else None
+        diff = max_diff(hybrid.decode.logits, stock.decode.logits)
+        return {"hybrid_max_abs_diff": diff, "device_vs_stock": None if bound is None else bound / 2,
+                "bound": bound, "within_bound": bound is not None and diff <= bound,
+                "cpu_experts": hybrid.counters.cpu_experts, "device_experts": hybrid.counters.device_experts,
+                "rule": "hybrid mixes the CPU's and the device's expert results, so it is at most twice as far "
+                        "from stock as the device's own path is (and equal to stock where that is)"}
+
+
+# --------------------------------------------------------------------------------------------
+# plan, run, tables
+
+
+def plan_profile(args):
+    from pyllamapool import predict as P
+
+    if args.testbed:
+        return TESTBED_PROFILE()
+    return P.parse_profile(args.profile) if args.profile else P.HardwareProfile.from_gpu_check(PLAN_PROFILE)
+
+
+def TESTBED_PROFILE():
+    from pyllamapool.predict import HardwareProfile
+    return HardwareProfile("testbed", "loopback RPC on shared cores (an estimate for the deadline only)",
+                           pcie_gb_s=1.5, pageable_gb_s=1.5, copy_latency_us=60.0, host_expert_gb_s=4.0,
+                           device_gb_s=4.0, sync_us=80.0)
+
+
+def plan(args, console=None) -> dict:
+    from rich.table import Table
+
+    from pyllamapool.fullsize import shape
+
+    est = Estimator(shape(args.geometry), plan_profile(args), args.tokens, args.testbed)
+    fake = Check.__new__(Check)  # only what the estimates read
+    fake.args, fake.est, fake.spec = args, est, est.spec
+    rows = [("build", "CUDA build (a command of its own)", 0.0 if args.testbed else CUDA_BUILD_S),
+            ("generate", f"write the {args.geometry} model ({(est.expert_total + est.dense_bytes) / 1e9:.1f} GB)",
+             est.generate_s())]
+    for s in STEPS:
+        rows.append((s.name, s.title, s.estimate(fake)))
+    run_s = sum(r[2] for r in rows[1:])
+    steps = [{"step": name, "title": title, "est_s": round(sec, 1)} for name, title, sec in rows]
+    out = {"profile": est.profile.name, "geometry": args.geometry, "steps": steps, "run_s": round(run_s, 1),
+           "build_s": rows[0][2], "total_s": round(run_s + rows[0][2], 1), "deadline_s": args.deadline_s,
+           "fits_deadline": run_s <= args.deadline_s, "lease_s": LEASE_S,
+           "fits_lease": run_s + rows[0][2] <= LEASE_S - 60}
+    if console is not None:
+        table = Table(title=f"GPU check plan: {args.geometry} on {est.profile.description}")
+        for col in ("step", "what", "est. s", "cumulative s"):
+            table.add_column(col, justify="right" if col.endswith("s") else "left")
+        acc = 0.0
+        for name, title, sec in rows:
+            acc += sec
+            table.add_row(name, title, f"{sec:.0f}", f"{acc:.0f}")
+        console.print(table)
+        console.print(f"run command: {run_s:.0f} s of a {args.deadline_s:.0f} s deadline; with the build "
+                      f"{out['total_s']:.0f} s of the lease's {LEASE_S} s (a minute kept for the machine's start "
+                      f"and the copies back)" + ("" if out["fits_lease"] else ": [red]does not fit[/red]"))
+    return out
+
+
+def run(args) -> int:
+    if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
+        os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
+    from pyllamapool.fullsize import cached_fullsize
+    from pyllamapool.llama import add_rpc_server, devices
+    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.session import has_accelerator
+    from pyllamapool.testmodel import StreamSpec, token_stream
+
+    console = table_console(stderr=True)
+    c = Check(args, console)
+    c.est = Estimator(c.spec, plan_profile(args), args.tokens, args.testbed)
+    c.report["plan"] = plan(args)
+    try:
+        t = time.perf_counter()
+        c.model_path, stats = cached_fullsize(c.spec)
+        c.report["generate"] = {"path": str(c.model_path), "bytes": c.model_path.stat().st_size,
+                                "seconds": round(time.perf_counter() - t, 2), "cached": stats is None,
+                                "s_per_gb": None if stats is None else round(stats.seconds_per_gb, 3)}
+        console.print(f"model {c.model_path.name}: {c.model_path.stat().st_size / 1e9:.2f} GB"
+                      + ("" if stats is None else f", written in {stats.seconds:.0f} s ({stats.seconds_per_gb:.2f} s/GB)"))
+        c.stream = token_stream(c.spec, StreamSpec(n_tokens=args.tokens + PROMPT, seed=11))
+        c.n = len(c.stream) - PROMPT
+        if args.testbed:
+            server = c.stack.enter_context(start_rpc_server())
+            c.rpc = (server.endpoint,)
+            add_rpc_server(server.endpoint)
+        elif not has_accelerator():
+            console.print("[red]no GPU visible to this build[/red]: build one with `gpu_check.py build`, or use --testbed")
+            return 2
+        c.device = next(d for d in devices() if d.kind in ("gpu", "igpu")
+                        and (args.testbed or not d.name.startswith("RPC")))
+        c.report["device"] = {"name": c.device.name, "description": c.device.description,
+                              "total_bytes": c.device.total_bytes}
+        c.report["cxx_runtime"] = {"this_process": cxx_runtime_in_process()}
+        console.print(f"device {c.device.name}: {c.device.description}")
+        for s in STEPS:
+            est = s.estimate(c)
+            entry = {"step": s.name, "est_s": round(est, 1)}
+            c.report["steps"].append(entry)
+            if not c.fits(est if not s.per_run else min(est, c.est.run_s("stock"))) and s.name != "upload":
+                entry["status"] = "skipped: deadline"
+                console.print(f"[yellow]{s.name}: skipped, {est:.0f} s would pass the deadline[/yellow]")
+                continue
+            console.print(f"[bold]{s.name}[/bold]: {s.title} (est. {est:.0f} s)")
+            t = time.perf_counter()
+            try:
+                s.run(c)
+                entry["status"] = "done"
+            except DeadlineReached:
+                entry["status"] = "partial: deadline"
+            except Exception as e:  # one step's failure must not cost the lease the steps after it
+                entry["status"] = f"error: {type(e).__name__}: {e}"[:500]
+                console.print(f"[red]{s.name}: {entry['status']}[/red]")
+            entry["wall_s"] = round(time.perf_counter() - t, 1)
+            c.write()
+        step_predict(c)
+    finally:
+        c.close()
+        c.report["elapsed_s"] = round(c.elapsed(), 1)
+        if hasattr(c, "device"):
+            c.write()
+    markdown = report_markdown(c.report)
+    Path(args.out).with_suffix(".md").write_text(markdown)
+    print(markdown)
+    parity_ok = c.report.get("parity", {}).get("bit_identical", True) and all(
+        r.get("bit_identical", True) or "skipped" in r for r in c.report.get("parity_by_type", []))
+    hybrid_ok = c.report.get("parity", {}).get("hybrid", {}).get("within_bound", True)
+    print(f"written to {args.out} and {Path(args.out).with_suffix('.md')}"
+          + (" (testbed: loopback copies on shared cores, not a GPU)" if args.testbed else ""))
+    return 0 if parity_ok and hybrid_ok else 1
+
+
+def _f(x, spec: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def report_markdown(report: dict) -> str:
+    """The measured rows with the prediction beside each, the steps, parity: Markdown for the README."""
+    dev = report.get("device", {})
+    rows = [r for r in report["rows"] if "decode_tps" in r]
+    stock = next((r["decode_tps"] for r in rows if r["mode"] == "stock"), None)
+    lines = [f"GPU check on {dev.get('description', '?')} ({dev.get('name', '?')}), {report['geometry']} shape, "
+             f"{report['tokens']} decode tokens" + (" (testbed: loopback RPC)" if report["testbed"] else ""), "",
+             "| step | mode | uploads | card MiB | -mec | slots | t/s | x stock | hit rate | CPU experts/token | "
+             "MiB up/token | host waits/token | blocked ms/token | predicted t/s | error | predicted at measured hits |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        why = "" if r.get("status") != "disabled" else f" ({r.get('reason')})"
+        lines.append(
+            f"| {r['step']} | {r['mode']}{why} | {r.get('uploads', '-')} | {r.get('card_mib') or '-'} | "
+            f"{r.get('mec') or '-'} | {r.get('actual_slots', 0)} | {r['decode_tps']:.1f} | "
+            f"{_f(r['decode_tps'] / stock if stock else None, '.2f')} | {r['hit_rate']:.1%} | "
+            f"{_f(r.get('cpu_experts_per_token'))} | {r['copy_bytes_per_token'] / 2**20:.2f} | "
+            f"{_f(r.get('syncs_per_token'))} | {_f(r.get('block_ms_per_token'), '.3f')} | "
+            f"{_f(r.get('predicted_tps'))} | {_f(r.get('prediction_error'), '+.0%')} | "
+            f"{_f(r.get('predicted_tps_at_measured_hits'))} |")
+    skipped = [f"{r['step']} {r['mode']} -mec {r.get('slots')}" for r in report["rows"] if r.get("skipped")]
+    lines += ["", "| step | status | est. s | measured s |", "| --- | --- | ---: | ---: |"]
+    for s in report["steps"]:
+        lines.append(f"| {s['step']} | {s.get('status', '-')} | {s['est_s']:.0f} | {_f(s.get('wall_s'), '.0f')} |")
+    up = report.get("upload")
+    if up:
+        lines += ["", f"upload: {_f(up.get('pageable_gb_s'))} GB/s pageable, {_f(up.get('pinned_gb_s'))} GB/s pinned, "
+                      f"{up['copy_latency_us_64k']:.0f} us per 64 KiB copy; host cost per CPU expert "
+                      f"{_f(report.get('host_expert_ms'), '.3f')} ms"]
+    gen = report.get("generate")
+    if gen:
+        lines.append(f"model: {gen['bytes'] / 1e9:.1f} GB" + (" (cached)" if gen["cached"] else
+                                                              f", written at {gen['s_per_gb']:.2f} s/GB"))
+    p = report.get("parity")
+    if p:
+        h = p.get("hybrid", {})
+        lines.append(f"parity ({p.get('geometry')} shape): copy vs {p.get('against')}: "
+                     f"{'bit-identical' if p.get('bit_identical') else 'DIFFERS ' + str(p.get('max_abs_diff'))}; "
+                     f"hybrid vs stock max |dlogit| {_f(h.get('hybrid_max_abs_diff'), '.3g')} (bound "
+                     f"{_f(h.get('bound'), '.3g')}: twice the device path's distance from stock)")
+    by_type = report.get("parity_by_type")
+    if by_type:
+        def verdict(r: dict) -> str:
+            if r.get("skipped"):
+                return "skipped"
+            if r.get("error"):
+                return "ERROR"
+            if r.get("bit_identical"):
+                return "="
+            off = r.get("fusion_off")
+            off_verdict = None if not off else "ERROR" if off.get("error") else \
+                "=" if off.get("bit_identical") else "still differs"
+            return f"differs ({_f(r.get('max_abs_diff'), '.3g')}" + (f"; fusion off: {off_verdict})" if off else ")")
+        lines.append("parity by expert type (tiny shape): " + ", ".join(f"{r['expert_type']} {verdict(r)}" for r in by_type))
+    cxx = report.get("cxx_runtime", {})
+    if cxx.get("this_process"):
+        w = cxx.get("without_rule")
+        lines.append(f"C++ runtime: {', '.join(cxx['this_process']['mapped']) or 'none mapped'}"
+                     + ("" if w is None else f"; a child without the rule: {'loads' if w.get('loaded') else 'FAILS (rc ' + str(w.get('rc')) + ')'}"))
+    if skipped:
+        lines.append(f"not run (deadline): {', '.join(skipped)}")
+    return "\n".join(lines) + "\n"
 
 
 def build(args) -> int:
@@ -66,284 +748,20 @@ def build(args) -> int:
     return subprocess.call(argv)
 
 
-# --------------------------------------------------------------------------------------------
-# measurements
-
-
-def upload_bandwidth(device_name: str, mib: int = 256, repeats: int = 5) -> dict:
-    """Host -> device copies through the backend API: big copies from pageable and from pinned host
-    memory (GB/s), and the latency of one small copy."""
-    import numpy as np
-
-    from pyllamapool.llama import backend
-
-    ffi, lib = backend()
-    dev = lib.ggml_backend_dev_by_name(device_name.encode())
-    size = mib << 20
-    buf = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_dev_buffer_type(dev), size)
-    ctx = lib.ggml_init({"mem_size": 4 * lib.ggml_tensor_overhead(), "mem_buffer": ffi.NULL, "no_alloc": True})
-    tensor = lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I8, size)
-    lib.ggml_backend_tensor_alloc(buf, tensor, lib.ggml_backend_buffer_get_base(buf))
-    pageable = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    sources = {"pageable": ffi.cast("void *", pageable.ctypes.data)}
-    host_buft = lib.ggml_backend_dev_host_buffer_type(dev)
-    pinned_buf = lib.ggml_backend_buft_alloc_buffer(host_buft, size) if host_buft != ffi.NULL else ffi.NULL
-    if pinned_buf != ffi.NULL:
-        base = lib.ggml_backend_buffer_get_base(pinned_buf)
-        ffi.memmove(base, ffi.from_buffer(pageable), size)
-        sources["pinned"] = base
-    out: dict = {"mib": mib}
-    for name, src in sources.items():
-        lib.ggml_backend_tensor_set(tensor, src, 0, size)  # first touch
-        t = time.perf_counter()
-        for _ in range(repeats):
-            lib.ggml_backend_tensor_set(tensor, src, 0, size)
-        out[f"{name}_gb_s"] = repeats * size / (time.perf_counter() - t) / 1e9
-    small, n = 64 << 10, 200
-    t = time.perf_counter()
-    for i in range(n):
-        lib.ggml_backend_tensor_set(tensor, sources["pageable"], (i * small) % (size - small), small)
-    out["copy_latency_us_64k"] = (time.perf_counter() - t) / n * 1e6
-    if pinned_buf != ffi.NULL:
-        lib.ggml_backend_buffer_free(pinned_buf)
-    lib.ggml_free(ctx)
-    lib.ggml_backend_buffer_free(buf)
-    return out
-
-
-def teacher_run(session, stream, pool, moe_cache_mib: int = 0):
-    from pyllamapool.pool import PoolConfig
-
-    run = session.run(stream[:8], 0, pool=pool or PoolConfig(), teacher_tokens=stream[8:],
-                      keep_logits=pool is not None, moe_cache_mib=moe_cache_mib)
-    return run
-
-
-def upstream_row(run, n_tokens: int, card_mib: int, cache_mib: int, slots: int) -> dict:
-    """llama.cpp's own cache: its figures come from its log (hits, misses, MiB uploaded)."""
-    st = run.moe_cache
-    return {"mode": "upstream", "card_mib": card_mib, "slots": slots, "cache_mib": cache_mib,
-            "status": "enabled" if st else "disabled", "reason": "" if st else "no cache in the log",
-            "actual_slots": st.slots if st else 0, "limited_by": f"{cache_mib} MiB",
-            "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": st.hit_rate if st else 0.0,
-            "copy_bytes_per_token": (st.uploaded_mib * 2**20 / max(1, n_tokens)) if st else 0.0,
-            "evictions": 0, "cpu_experts": 0, "deferred": 0, "syncs_per_token": 0.0}
-
-
-def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
-    c, s = run.counters, run.status
-    return {"mode": label, "card_mib": card_mib, "slots": run.config.slot_list[0] if run.config.slots else 0,
-            "status": "enabled" if s.enabled else "disabled", "reason": s.reason, "actual_slots": s.actual_slots,
-            "limited_by": s.limited_by, "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": c.hit_rate,
-            "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions,
-            "cpu_experts": c.cpu_experts, "deferred": c.deferred, "syncs_per_token": c.syncs_per_token,
-            "uploads": s.uploads, "block_ms_per_token": c.block_us_per_token / 1000.0}
-
-
-def parity(args) -> dict:
-    import numpy as np
-
-    from pyllamapool.llama import add_rpc_server
-    from pyllamapool.offload import Offload
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.rpc import start_rpc_server
-    from pyllamapool.session import PoolSession
-    from pyllamapool.testmodel import ModelSpec, StreamSpec, cached_model, token_stream
-
-    spec = ModelSpec(**{**GEOMETRIES[args.geometry], **({"expert_type": args.expert_type} if args.expert_type else {})})
-    model_path = cached_model(spec)
-    stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + 8, seed=11))
-    heavy = PoolConfig(slots=spec.n_expert_used, device_mib=max(args.card_mib), mode="copy")
-    with ExitStack() as stack:
-        rpc: tuple[str, ...] = ()
-        if args.testbed:
-            server = stack.enter_context(start_rpc_server())
-            rpc = (server.endpoint,)
-            add_rpc_server(server.endpoint)
-        with PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048)) as offloaded:
-            pooled = offloaded.run(stream[:8], 0, pool=heavy, teacher_tokens=stream[8:], keep_logits=True)
-            reference = None if args.testbed else offloaded.run(stream[:8], 0, teacher_tokens=stream[8:],
-                                                               keep_logits=True)
-        if reference is None:
-            with PoolSession(model_path, Offload(rpc=rpc, n_ctx=2048)) as resident_session:
-                reference = resident_session.run(stream[:8], 0, teacher_tokens=stream[8:], keep_logits=True)
-    a, b = pooled.decode.logits, reference.decode.logits
-    return {
-        "against": "all-resident (testbed)" if args.testbed else "stock host-copy path on the device",
-        "bit_identical": len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b)),
-        "max_abs_diff": float(max(np.max(np.abs(x - y)) for x, y in zip(a, b))) if len(a) == len(b) else None,
-        "evictions": pooled.counters.evictions, "steps": len(a), "expert_type": spec.expert_type}
-
-
-def parity_in_subprocess(args, geometry: str, expert_type: str | None = None, **env: str) -> dict:
-    argv = [sys.executable, __file__, "run", "--parity-only", "--geometry", geometry,
-            "--tokens", str(args.tokens), "--card-mib", ",".join(map(str, args.card_mib))]
-    argv += ["--testbed"] if args.testbed else []
-    argv += ["--expert-type", expert_type] if expert_type else []
-    result = subprocess.run(argv, capture_output=True, text=True,
-                            env={**os.environ, "GGML_OP_OFFLOAD_MIN_BATCH": "1", **env})
-    if result.returncode != 0:
-        return {"against": None, "bit_identical": False, "expert_type": expert_type, "error": result.stderr[-2000:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def parity_by_type(args) -> list[dict]:
-    """Every expert type on the tiny geometry. A type that differs is run again with the CUDA
-    backend's op fusion off: on the H200, F16/F32 experts differed (quantized ones did not), and the
-    suspect is the gate/up MUL_MAT_ID + GLU fusion, which picks another kernel for float types
-    (mmvf fused, mmf alone) and may apply to one path only."""
-    rows = []
-    for expert_type in args.parity_types:
-        row = parity_in_subprocess(args, "tiny", expert_type)
-        if not row["bit_identical"] and not args.testbed:
-            row["fusion_off"] = parity_in_subprocess(args, "tiny", expert_type, GGML_CUDA_DISABLE_FUSION="1")
-        rows.append(row)
-    return rows
-
-
-def run(args) -> int:
-    if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
-        os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
-    from rich.console import Console
-    from rich.table import Table
-
-    from pyllamapool.llama import add_rpc_server, devices
-    from pyllamapool.offload import Offload
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.rpc import start_rpc_server
-    from pyllamapool.moecache import equal_memory_mib
-    from pyllamapool.session import PoolSession, has_accelerator
-    from pyllamapool.testmodel import ModelSpec, StreamSpec, cached_model, token_stream
-
-    console = Console(stderr=True)
-    spec = ModelSpec(**GEOMETRIES[args.geometry])
-    t = time.perf_counter()
-    model_path = cached_model(spec)
-    console.print(f"model {model_path} ({model_path.stat().st_size / 2**30:.2f} GiB, made in "
-                  f"{time.perf_counter() - t:.0f} s)")
-    stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + 8, seed=11))
-    n = len(stream) - 8
-    report: dict = {"schema": SCHEMA, "geometry": args.geometry, "spec": spec.__dict__, "tokens": n,
-                    "testbed": args.testbed}
-    with ExitStack() as stack:
-        if args.testbed:
-            server = stack.enter_context(start_rpc_server())
-            rpc: tuple[str, ...] = (server.endpoint,)
-            add_rpc_server(server.endpoint)
-        else:
-            if not has_accelerator():
-                console.print("[red]no GPU visible to this build[/red]: build one with `gpu_check.py build`, "
-                              "or use --testbed")
-                return 2
-            rpc = ()
-        device = next(d for d in devices() if d.kind in ("gpu", "igpu") and (args.testbed or not d.name.startswith("RPC")))
-        report["device"] = {"name": device.name, "description": device.description, "total_bytes": device.total_bytes}
-        console.print(f"device {device.name}: {device.description}")
-        report["upload"] = upload_bandwidth(device.name, mib=args.upload_mib)
-        console.print(f"upload: {report['upload']}")
-
-        rows = []
-        # upstream's cache caches only experts in plain host buffers: where the CPU repacks the expert
-        # type (Q4_0, Q4_K, IQ4_NL, ... on x86) it runs on a second load with --no-repack, as its
-        # users must (the pool uploads repacked experts from the model file instead)
-        unrepacked: list = []
-
-        def upstream_session():
-            if not unrepacked:
-                unrepacked.append(stack.enter_context(
-                    PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048, repack=False))))
-            return unrepacked[0]
-
-        # stock --n-cpu-moe (pool off), then copy mode at each -mec on each emulated card
-        with PoolSession(model_path, Offload(rpc=rpc, cpu_moe=True, n_ctx=2048)) as offloaded:
-            stock = teacher_run(offloaded, stream, None)
-            rows.append(decode_row("stock", stock, n, None))
-            for card in args.card_mib:
-                for mec in args.mec:
-                    pool_bytes = 0
-                    # on the first card both upload paths side by side (stream is the default where the
-                    # device has events and pinned memory, a GPU's case; the testbed asks for it); on the
-                    # others the device's default
-                    paths = ("stream", "inline") if card == args.card_mib[0] else (None,)
-                    for mode in ("copy", "hybrid"):
-                        for uploads in paths:
-                            pooled = teacher_run(offloaded, stream, PoolConfig(slots=mec, device_mib=card, mode=mode,
-                                                                               uploads=uploads))
-                            rows.append(decode_row(mode, pooled, n, card))
-                            if mode == "copy" and uploads in (None, "stream"):
-                                pool_bytes = sum(m.pool for m in pooled.memory)
-                            console.print(f"  card {card} MiB -mec {mec} {mode} ({rows[-1]['uploads']} uploads): "
-                                          f"{rows[-1]['decode_tps']:.1f} t/s, {rows[-1]['status']} "
-                                          f"({rows[-1]['limited_by']}), host blocked "
-                                          f"{rows[-1]['block_ms_per_token']:.3f} ms/token")
-                    cache_mib = equal_memory_mib(pool_bytes)   # upstream's cache at the copy pool's bytes
-                    if cache_mib > 0:
-                        cached = teacher_run(offloaded, stream, None, moe_cache_mib=cache_mib)
-                        no_repack = cached.moe_cache is None
-                        if no_repack:
-                            cached = teacher_run(upstream_session(), stream, None, moe_cache_mib=cache_mib)
-                        rows.append(upstream_row(cached, n, card, cache_mib, mec))
-                        rows[-1]["no_repack"] = no_repack
-                        console.print(f"  card {card} MiB upstream cache {cache_mib} MiB: "
-                                      f"{rows[-1]['decode_tps']:.1f} t/s, hit rate {rows[-1]['hit_rate']:.1%}")
-        # every expert on the device, when the device holds them: the bound, and the host's cost per
-        # CPU-computed expert (stock time minus resident time, per expert computation)
-        resident_tps = None
-        if args.testbed or device.total_bytes > 2 * model_path.stat().st_size:
-            with PoolSession(model_path, Offload(rpc=rpc, n_ctx=2048)) as resident_session:
-                resident = teacher_run(resident_session, stream, None)
-            resident_tps = resident.decode.decode_tokens_per_s
-            rows.append(decode_row("resident", resident, n, None))
-        report["rows"] = rows
-        per_token_cpu_experts = spec.n_layer * spec.n_expert_used
-        if resident_tps:
-            gap_ms = 1000.0 / stock.decode.decode_tokens_per_s - 1000.0 / resident_tps
-            report["host_expert_ms"] = max(0.0, gap_ms) / per_token_cpu_experts
-        # parity: the heaviest-eviction pool against the stock path with every expert computed on the
-        # device (GPU: host-copy offload even for one token, which a backend reads from
-        # GGML_OP_OFFLOAD_MIN_BATCH when it initialises: hence a process of its own; testbed: the
-        # all-resident run)
-        report["parity"] = parity_in_subprocess(args, args.geometry)
-        report["parity_by_type"] = parity_by_type(args)
-
-    table = Table(title=f"GPU check: {report['device']['name']} ({report['device']['description']}), "
-                        f"{args.geometry} geometry, {n} decode tokens")
-    for col in ("mode", "uploads", "card MiB", "-mec", "status", "slots", "t/s", "x stock", "hit rate",
-                "MiB copied/token", "blocked ms/token"):
-        table.add_column(col, justify="right")
-    stock_tps = rows[0]["decode_tps"]
-    for r in rows:
-        why = r["limited_by"] if r["status"] == "enabled" else r["reason"]
-        blocked = r.get("block_ms_per_token")
-        table.add_row(r["mode"], r.get("uploads") if r["mode"] in ("copy", "hybrid") else "-",
-                      str(r["card_mib"] or "-"), str(r["slots"]), f"{r['status']} ({why})",
-                      str(r["actual_slots"]), f"{r['decode_tps']:.1f}", f"{r['decode_tps'] / stock_tps:.2f}",
-                      f"{r['hit_rate']:.1%}", f"{r['copy_bytes_per_token'] / 2**20:.2f}",
-                      f"{blocked:.3f}" if blocked is not None and r["mode"] in ("copy", "hybrid") else "-")
-    out = Console(width=160)
-    out.print(table)
-    up = report["upload"]
-    out.print(f"upload: {up.get('pageable_gb_s', 0):.1f} GB/s pageable, {up.get('pinned_gb_s', 0):.1f} GB/s "
-                    f"pinned, {up['copy_latency_us_64k']:.0f} us per 64 KiB copy; host cost per CPU expert: "
-                    f"{report.get('host_expert_ms', float('nan')):.3f} ms; parity vs {report['parity']['against']}: "
-                    f"{'bit-identical' if report['parity']['bit_identical'] else 'DIFFERS'}")
-    by_type = report["parity_by_type"]
-    if by_type:
-        def verdict(r: dict) -> str:
-            if r.get("error"):
-                return "ERROR"
-            if r["bit_identical"]:
-                return "="
-            off = r.get("fusion_off")
-            return f"DIFFERS ({r['max_abs_diff']:.3g}" + (
-                f"; fusion off: {'=' if off['bit_identical'] else 'still differs'})" if off else ")")
-        out.print("parity by expert type (tiny geometry): " + ", ".join(f"{r['expert_type']} {verdict(r)}" for r in by_type))
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    out.print(f"written to {args.out}" + (" (testbed: loopback copies on shared cores, not a GPU)" if args.testbed else ""))
-    return 0 if report["parity"]["bit_identical"] and all(r["bit_identical"] for r in by_type) else 1
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive whole numbers")
+    return values
 
 
 def main() -> int:
+    from pyllamapool.fullsize import SHAPES
+    from pyllamapool.testmodel import EXPERT_TYPES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="a trimmed build for this GPU into build/gpu-check")
@@ -351,38 +769,58 @@ def main() -> int:
     b.add_argument("--arch")
     b.add_argument("--jobs", type=int)
     b.add_argument("--source", help="a local pristine llama.cpp tree at the pin (machines without network)")
-    r = sub.add_parser("run", help="measure and write the JSON report")
-    r.add_argument("--testbed", action="store_true", help="the loopback RPC device instead of a GPU (CPU-only CI)")
-    r.add_argument("--geometry", choices=list(GEOMETRIES), default="realistic")
-    r.add_argument("--mec", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="slot counts for copy mode (default: top-k, 1/4, 1/2 and all of the experts)")
-    r.add_argument("--card-mib", type=lambda s: [int(x) for x in s.split(",")], default=[16384, 24576],
-                   help="emulated card sizes (LLAMA_MOE_POOL_DEVICE_MIB)")
-    r.add_argument("--tokens", type=int, default=64, help="teacher-forced decode tokens per run")
-    r.add_argument("--upload-mib", type=int, default=256)
-    r.add_argument("--out", default="gpu-check.json")
-    r.add_argument("--parity-types", type=lambda s: [t for t in s.split(",") if t], default=None,
-                   help="expert types whose pooled decode is compared bit for bit on the tiny geometry "
-                        "(default: every type the test models come in; '' for none)")
-    r.add_argument("--parity-only", action="store_true", help=argparse.SUPPRESS)
-    r.add_argument("--expert-type", help=argparse.SUPPRESS)
+    for name, helptext in (("run", "measure and write the report"), ("plan", "the dry run: steps and their seconds")):
+        r = sub.add_parser(name, help=helptext)
+        r.add_argument("--testbed", action="store_true", help="the loopback RPC device instead of a GPU (CPU-only CI)")
+        r.add_argument("--geometry", choices=list(SHAPES), default=None,
+                       help="the model's shape (default qwen3-30b-a3b; tiny with --testbed)")
+        r.add_argument("--mec", type=_ints, default=None,
+                       help="slots per layer (default: top-k, 1/4, 1/2 and all of the experts)")
+        r.add_argument("--card-mib", type=_ints, default=[16384, 24576],
+                       help="emulated card sizes (LLAMA_MOE_POOL_DEVICE_MIB), the most important first")
+        r.add_argument("--tokens", type=int, default=64, help="teacher-forced decode tokens per run")
+        r.add_argument("--deadline-s", type=float, default=COMMAND_S - 60,
+                       help="steps that would end after this many seconds are skipped (default 540)")
+        r.add_argument("--profile", help="the hardware profile the plan estimates with (default: the H200's "
+                                         "earlier check; a built-in name or a gpu-check JSON)")
+        r.add_argument("--upload-mib", type=int, default=256)
+        r.add_argument("--out", default="gpu-check.json")
+        r.add_argument("--parity-geometry", choices=list(SHAPES), default=None,
+                       help="the shape parity runs at (default small; tiny with --testbed)")
+        r.add_argument("--parity-types", type=lambda s: [t for t in s.split(",") if t], default=None,
+                       help="expert types compared bit for bit on the tiny shape (default: every type the test "
+                            "models come in; '' for none)")
+        r.add_argument("--json", action="store_true", help=argparse.SUPPRESS if name == "run" else "the plan as JSON")
+    ch = sub.add_parser("child", help=argparse.SUPPRESS)
+    ch.add_argument("what", choices=("parity", "load"))
+    ch.add_argument("--testbed", action="store_true")
+    ch.add_argument("--geometry", default="tiny")
+    ch.add_argument("--tokens", type=int, default=24)
+    ch.add_argument("--side", choices=("device", "host"), default="device")
+    ch.add_argument("--expert-type")
+    ch.add_argument("--logits")
     args = parser.parse_args()
     if args.command == "build":
         return build(args)
-    from pyllamapool.testmodel import EXPERT_TYPES
+    if args.command == "child":
+        return child(args)
+    args.geometry = args.geometry or ("tiny" if args.testbed else "qwen3-30b-a3b")
+    args.parity_geometry = args.parity_geometry or ("tiny" if args.testbed else "small")
     if args.parity_types is None:
         args.parity_types = list(EXPERT_TYPES)
     bad = [t for t in args.parity_types if t not in EXPERT_TYPES]
     if bad:
-        parser.error(f"--parity-types: unknown {', '.join(bad)}")
-    if args.parity_only:
-        if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
-            os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
-        print(json.dumps(parity(args)))
-        return 0
+        parser.error(f"--parity-types: unknown {', '.join(bad)}; accepted: {', '.join(EXPERT_TYPES)}")
+    if args.tokens < 1:
+        parser.error(f"--tokens {args.tokens}: expected at least 1")
     if args.mec is None:
-        g = GEOMETRIES[args.geometry]
-        args.mec = sorted({g["n_expert_used"], g["n_expert"] // 4, g["n_expert"] // 2, g["n_expert"]})
+        g = SHAPES[args.geometry]
+        args.mec = sorted({g.n_expert_used, g.n_expert // 4, g.n_expert // 2})
+    if args.command == "plan":
+        result = plan(args, None if args.json else table_console())
+        if args.json:
+            print(json.dumps(result, indent=1))
+        return 0 if result["fits_lease"] else 1
     return run(args)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stock, copy and hybrid mode side by side on the loopback RPC testbed, and prints the README's Markdown
+"""Stock, copy and hybrid mode side by side on the loopback RPC testbed, and prints docs/hybrid.md's Markdown
 table. It is a proxy: the "device" is the same cores, and every CPU split costs RPC round trips.
 
     python benchmarks/hybrid.py [--tokens 128] [--repeats 3]

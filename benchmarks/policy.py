@@ -5,7 +5,7 @@ that is from Belady's offline optimum. Machine-independent: it counts bytes, it 
     python benchmarks/policy.py                 # all presets, table + plot
     python benchmarks/policy.py --json          # rows: preset, slots, policy, hit_rate,
                                                 #       copy_bytes_per_token, vs_opt, vs_lru, ...
-    python benchmarks/policy.py --readme        # the README's tables, regenerated
+    python benchmarks/policy.py --readme        # docs/policy-lab.md's tables, regenerated
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", default="policy-benchmark.png")
     parser.add_argument("--readme", action="store_true",
-                        help="print the README's two tables (every preset, seeds 0-2) and nothing else")
+                        help="print docs/policy-lab.md's two tables (every preset, seeds 0-2) and nothing else")
     args = parser.parse_args()
     if args.readme:
         for table in bench.readme_tables():

@@ -94,12 +94,19 @@ def _cxx_runtime_first() -> None:
     carries its own copy and exports it: on the GPU check machine (H200) that copy served
     libllama's std::ostream calls and model loading crashed in llama_model::print_info, while
     llama-bench, which links the runtime itself, ran; LD_PRELOAD=libstdc++.so.6 cured it. This
-    does the same from inside the process."""
-    if sys.platform.startswith("linux"):
+    does the same from inside the process. PYLLAMAPOOL_CXX_RUNTIME_FIRST=0 turns it off (the GPU
+    check's child that asks whether a machine still needs it)."""
+    global CXX_RUNTIME
+    if sys.platform.startswith("linux") and os.environ.get("PYLLAMAPOOL_CXX_RUNTIME_FIRST", "1") != "0":
         try:
             ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+            CXX_RUNTIME = "libstdc++.so.6"
         except OSError:
             pass  # no system runtime: libllama's own dlopen below reports what is missing
+
+
+#: the C++ runtime put in the global scope before libllama, None where none was
+CXX_RUNTIME: str | None = None
 
 
 @functools.lru_cache(maxsize=None)

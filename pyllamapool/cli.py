@@ -13,9 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import PyllamapoolError
+from .terminal import table_console, wide
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = table_console()
+err_console = table_console(stderr=True)
 
 LAUNCHERS = {"server": "llama-server", "cli": "llama-cli", "bench": "llama-bench",
              "rpc-server": "ggml-rpc-server", "quantize": "llama-quantize"}
@@ -299,6 +300,9 @@ def cmd_predict(args) -> int:
     from . import predict as P
 
     if args.list_profiles:
+        if args.json:
+            print(json.dumps([asdict(prof) for prof in P.PROFILES.values()], indent=2))
+            return 0
         table = Table(title="hardware profiles (pyllamapool predict --profile NAME)")
         for col in ("name", "machine", "link GB/s pinned / pageable", "copy µs", "CPU expert GB/s",
                     "device GB/s", "sync µs"):
@@ -348,7 +352,7 @@ def cmd_predict(args) -> int:
                       f"{parts['device'] + parts.get('device_experts', 0.0):.1f}", f"{cpu_ms:.1f}",
                       f"{parts.get('uploads', 0.0):.1f}", f"{parts['syncs']:.1f}", f"{r.cpu_experts:.0f}",
                       f"{r.upload_mib:.1f}")
-    Console(width=max(console.width, 150), highlight=False).print(table)
+    wide(console, 150).print(table)
     console.print("hybrid's CPU column is the slower side of each layer (hits on the device run at the same "
                   "time); its uploads are off the critical path, within --upload-frac of a token")
     return 0
@@ -369,7 +373,7 @@ def _print_validation(rows, as_json: bool) -> int:
                       "-" if r.published_hit_rate is None else f"{r.published_hit_rate:.1%}",
                       "-" if r.predicted_tps_at_published_hits is None else f"{r.predicted_tps_at_published_hits:.2f}",
                       "-" if r.error_at_published_hits is None else f"{r.error_at_published_hits:+.0%}")
-    Console(width=max(console.width, 170), highlight=False).print(table)
+    wide(console, 170).print(table)
     misses: dict[str, list[str]] = {}
     notes = {r.anchor: r.note for r in rows}
     for r in rows:
@@ -395,9 +399,31 @@ def cmd_measure_host(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from .tune import tune, tune_table
+
+    modes = args.mode if args.mode != (None,) else ("hybrid", "copy")
+    result = tune(args.model, _offload(args), device_mib=_device_mib(args), modes=modes, n_tokens=args.n_tokens,
+                  profile=args.profile, console=None if args.json else err_console)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    console.print(tune_table(result))
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    console.print(f"recommended: [bold]{result.best.label}[/bold] ({result.best.source}); run it with:")
+    console.print(result.command_line, soft_wrap=True, markup=False)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    result = run_demo(console, out_dir=args.out, n_tokens=args.n_tokens, repeats=args.repeats)
+    # with --json the narrative and the tables go to stderr, the figures to stdout
+    result = run_demo(err_console if args.json else console, out_dir=args.out, n_tokens=args.n_tokens,
+                      repeats=args.repeats)
+    if args.json:
+        print(json.dumps({"parity": result.parity, "plot": str(result.plot_path),
+                          "sweep": json.loads(result.json_path.read_text())}, indent=1))
     return 0 if result.parity else 1
 
 
@@ -553,10 +579,25 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_measure_host)
 
+    p = sub.add_parser("tune", help="what to run on this machine: plan, measure, time or predict each mode, and "
+                                    "the llama-server command line")
+    p.add_argument("model", type=_existing_file)
+    add_offload_args(p)
+    p.add_argument("--mode", "--moe-pool-mode", dest="mode", type=_choices("mode", ["hybrid", "copy"]),
+                   default=(None,), help="the pool modes to consider (default hybrid,copy)")
+    p.add_argument("--device-mib", type=_mib_list, help="plan for a card of this size (MiB) instead of this device")
+    p.add_argument("-n", "--n-tokens", type=_positive, default=64, help="teacher-forced decode tokens per timing")
+    p.add_argument("--profile", default="rtx3090-pcie4",
+                   help="the link and device to predict with where there is no device (a built-in profile or a "
+                        "GPU check report)")
+    p.add_argument("--json", action="store_true", help="the choices and the command as JSON (pyllamapool.tune/1)")
+    p.set_defaults(func=cmd_tune, n_gpu_layers=99)  # tuning is for a model on the device, experts on the host
+
     p = sub.add_parser("demo", help="the pool end to end on this machine (GPU, or a loopback RPC device)")
     p.add_argument("--out", type=Path, help="where to write sweep.png and sweep.json")
     p.add_argument("-n", "--n-tokens", type=_positive, default=160)
     p.add_argument("-r", "--repeats", type=_positive, default=3)
+    p.add_argument("--json", action="store_true", help="the parity verdict and the sweep as JSON on stdout")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("trace", help="record routing (per token, per MoE layer) to .npz")

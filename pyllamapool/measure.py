@@ -1,4 +1,5 @@
-"""Measure this host's side of the cost model: what one expert costs when the CPU computes it.
+"""Measure this machine's side of the cost model: what one expert costs when the CPU computes it,
+and what the link to a device moves.
 
 `pyllamapool measure-host` times ggml's CPU MUL_MAT_ID on one expert tensor of the given shape and
 type, the way a decode step runs it (one token, top-k ids), cycling through enough experts that the
@@ -92,3 +93,44 @@ def measure_host(expert_type: str = "Q4_K", n_embd: int = 2048, n_ff: int = 768,
     expert_bytes = 3 * matrix_bytes
     ms = 3 * ms_per_matrix
     return HostMeasurement(expert_type, n_embd, n_ff, threads, expert_bytes, ms, expert_bytes / (ms * 1e-3) / 1e9)
+
+
+def measure_link(device_name: str, mib: int = 256, repeats: int = 5) -> dict:
+    """Host -> device copies through the backend API: big copies from pageable and from pinned host
+    memory (GB/s), and the latency of one small copy."""
+    from .llama import backend
+
+    ffi, lib = backend()
+    dev = lib.ggml_backend_dev_by_name(device_name.encode())
+    if dev == ffi.NULL:
+        raise PyllamapoolError(f"no device named {device_name!r}")
+    size = mib << 20
+    buf = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_dev_buffer_type(dev), size)
+    ctx = lib.ggml_init({"mem_size": 4 * lib.ggml_tensor_overhead(), "mem_buffer": ffi.NULL, "no_alloc": True})
+    tensor = lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I8, size)
+    lib.ggml_backend_tensor_alloc(buf, tensor, lib.ggml_backend_buffer_get_base(buf))
+    pageable = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    sources = {"pageable": ffi.cast("void *", pageable.ctypes.data)}
+    host_buft = lib.ggml_backend_dev_host_buffer_type(dev)
+    pinned_buf = lib.ggml_backend_buft_alloc_buffer(host_buft, size) if host_buft != ffi.NULL else ffi.NULL
+    if pinned_buf != ffi.NULL:
+        base = lib.ggml_backend_buffer_get_base(pinned_buf)
+        ffi.memmove(base, ffi.from_buffer(pageable), size)
+        sources["pinned"] = base
+    out: dict = {"mib": mib}
+    for name, src in sources.items():
+        lib.ggml_backend_tensor_set(tensor, src, 0, size)  # first touch
+        t = time.perf_counter()
+        for _ in range(repeats):
+            lib.ggml_backend_tensor_set(tensor, src, 0, size)
+        out[f"{name}_gb_s"] = repeats * size / (time.perf_counter() - t) / 1e9
+    small, n = 64 << 10, 200
+    t = time.perf_counter()
+    for i in range(n):
+        lib.ggml_backend_tensor_set(tensor, sources["pageable"], (i * small) % (size - small), small)
+    out["copy_latency_us_64k"] = (time.perf_counter() - t) / n * 1e6
+    if pinned_buf != ffi.NULL:
+        lib.ggml_backend_buffer_free(pinned_buf)
+    lib.ggml_free(ctx)
+    lib.ggml_backend_buffer_free(buf)
+    return out

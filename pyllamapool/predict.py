@@ -60,26 +60,38 @@ class HardwareProfile:
     def from_gpu_check(cls, path: str | Path, host_expert_gb_s: float | None = None) -> "HardwareProfile":
         """A profile from `benchmarks/gpu_check.py`'s JSON: link bandwidth and copy latency measured,
         the CPU's expert throughput from the check's host cost per expert (or given)."""
-        report = json.loads(Path(path).read_text())
-        if report.get("schema") != "pyllamapool.gpu-check/1":
-            raise PyllamapoolError(f"{path}: not a GPU check report (schema {report.get('schema')!r})")
+        return cls.from_gpu_check_report(json.loads(Path(path).read_text()), str(path), host_expert_gb_s)
+
+    @classmethod
+    def from_gpu_check_report(cls, report: dict, source: str,
+                              host_expert_gb_s: float | None = None) -> "HardwareProfile":
+        if report.get("schema") not in GPU_CHECK_SCHEMAS:
+            raise PyllamapoolError(f"{source}: not a GPU check report (schema {report.get('schema')!r})")
         up = report["upload"]
-        spec = report["spec"]
-        expert_bytes = _expert_bytes_of_spec(spec)
+        expert_bytes = _expert_bytes_of_spec(report["spec"])
         if host_expert_gb_s is None:
             ms = report.get("host_expert_ms")
             if not ms:
-                raise PyllamapoolError(f"{path}: no host_expert_ms (the check's resident run did not fit); "
+                raise PyllamapoolError(f"{source}: no host_expert_ms (the check's resident run did not fit); "
                                        "pass host_expert_gb_s")
             host_expert_gb_s = expert_bytes / (ms * 1e-3) / 1e9
         dev = report["device"]
+        # the testbed's device is the CPU's own kernels behind a loopback socket: it computes an expert
+        # as fast as the host does
+        testbed = bool(report.get("testbed"))
         return cls(name=f"measured-{dev['name'].lower()}", description=f"{dev['description']} (GPU check)",
                    pcie_gb_s=up.get("pinned_gb_s") or up["pageable_gb_s"], pageable_gb_s=up["pageable_gb_s"],
                    copy_latency_us=up["copy_latency_us_64k"], host_expert_gb_s=host_expert_gb_s,
-                   device_gb_s=DEVICE_GB_S.get(dev["description"], 500.0), sync_us=20.0,
-                   sources={"pcie_gb_s": f"{path}: pinned upload", "pageable_gb_s": f"{path}: pageable upload", "copy_latency_us": f"{path}: 64 KiB copy",
-                            "host_expert_gb_s": f"{path}: host cost per CPU expert",
+                   device_gb_s=host_expert_gb_s if testbed else DEVICE_GB_S.get(dev["description"], 500.0),
+                   sync_us=20.0,
+                   sources={"pcie_gb_s": f"{source}: pinned upload", "pageable_gb_s": f"{source}: pageable upload",
+                            "copy_latency_us": f"{source}: 64 KiB copy",
+                            "host_expert_gb_s": f"{source}: host cost per CPU expert",
                             "device_gb_s": "datasheet (70%)", "sync_us": "assumed"})
+
+
+#: the GPU check's report schemas a profile can be read from
+GPU_CHECK_SCHEMAS = ("pyllamapool.gpu-check/1", "pyllamapool.gpu-check/2")
 
 
 def _expert_bytes_of_spec(spec: dict) -> int:
@@ -467,7 +479,7 @@ def validate(seed: int = 0) -> list[ValidationRow]:
 
 
 def validation_markdown(seed: int = 0) -> str:
-    """`validate()` as the README's Markdown table."""
+    """`validate()` as docs/predict.md's Markdown table."""
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
     lines = ["| anchor | mode | slots | measured t/s | predicted | error | hits (preset) | hits needed | "

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -112,9 +113,17 @@ def _topics_per_token(spec: ModelSpec) -> np.ndarray:
     return np.arange(spec.n_vocab) % spec.n_topics
 
 
-def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
-    """All tensors as float32 arrays in numpy (row-major, gguf) order: shape = reversed ggml ne."""
+def _weights(spec: ModelSpec, experts: bool = True,
+             projection: Callable[[tuple[int, int]], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """All tensors as float32 arrays in numpy (row-major, gguf) order: shape = reversed ggml ne.
+    Without `experts`, the routed experts' weights are left out (a caller writes its own);
+    `projection(shape)` draws the attention projections instead of this generator (a full-size
+    model's 500M of them take seconds here)."""
     rng = np.random.default_rng(spec.seed)
+    small = 0.02
+    if projection is None:
+        def projection(shape: tuple[int, int]) -> np.ndarray:
+            return (rng.standard_normal(shape) * small).astype(np.float32)
     d, v = spec.n_embd, spec.n_vocab
     head_dim = d // spec.n_head
     kv = head_dim * spec.n_head_kv
@@ -133,12 +142,11 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
     n_mtp = 1 if spec.arch == "glm4moe" else 0
     for il in range(spec.n_layer + n_mtp):
         p = f"blk.{il}."
-        small = 0.02
         t[p + "attn_norm.weight"] = np.ones(d, np.float32)
-        t[p + "attn_q.weight"] = (rng.standard_normal((d, d)) * small).astype(np.float32)
-        t[p + "attn_k.weight"] = (rng.standard_normal((kv, d)) * small).astype(np.float32)
-        t[p + "attn_v.weight"] = (rng.standard_normal((kv, d)) * small).astype(np.float32)
-        t[p + "attn_output.weight"] = (rng.standard_normal((d, d)) * small).astype(np.float32)
+        t[p + "attn_q.weight"] = projection((d, d))
+        t[p + "attn_k.weight"] = projection((kv, d))
+        t[p + "attn_v.weight"] = projection((kv, d))
+        t[p + "attn_output.weight"] = projection((d, d))
         if spec.arch == "qwen3moe":
             t[p + "attn_q_norm.weight"] = np.ones(head_dim, np.float32)
             t[p + "attn_k_norm.weight"] = np.ones(head_dim, np.float32)
@@ -154,9 +162,10 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
             + rng.standard_normal((spec.n_expert, d)).astype(np.float32) * 0.6
         t[p + "ffn_gate_inp.weight"] = router.astype(np.float32)
         f = spec.n_ff_exp
-        t[p + "ffn_gate_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
-        t[p + "ffn_up_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
-        t[p + "ffn_down_exps.weight"] = (rng.standard_normal((spec.n_expert, d, f)) * 0.08).astype(np.float32)
+        if experts:
+            t[p + "ffn_gate_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
+            t[p + "ffn_up_exps.weight"] = (rng.standard_normal((spec.n_expert, f, d)) * 0.08).astype(np.float32)
+            t[p + "ffn_down_exps.weight"] = (rng.standard_normal((spec.n_expert, d, f)) * 0.08).astype(np.float32)
         if spec.arch in ("qwen2moe", "glm4moe"):
             s = spec.n_ff_shexp if spec.arch == "qwen2moe" else f  # glm4moe: one shared expert
             if spec.arch == "qwen2moe":
@@ -179,7 +188,8 @@ def _is_expert(name: str) -> bool:
     return "_exps." in name
 
 
-def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
+def new_writer(spec: ModelSpec, path: Path, file_type) -> "gguf.GGUFWriter":
+    """A GGUF writer with every key of spec's model written (tensors still to add)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), spec.arch)
@@ -203,12 +213,20 @@ def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
         writer.add_bool(f"{spec.arch}.expert_weights_norm", True)
         writer.add_float32(f"{spec.arch}.expert_weights_scale", 1.0)
         writer.add_uint32(f"{spec.arch}.nextn_predict_layers", 1)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if expert_type == "F16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(file_type)
     writer.add_tokenizer_model("test")
     writer.add_token_list([f"tok_{i}" for i in range(spec.n_vocab)])
     writer.add_token_scores([0.0] * spec.n_vocab)
     # Provenance: the spec, so a file can be tied back to the knobs that made it.
     writer.add_string("pyllamapool.model_spec", json.dumps(asdict(spec), sort_keys=True))
+    return writer
+
+
+def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
+    import gguf
+
+    writer = new_writer(spec, path, gguf.LlamaFileType.MOSTLY_F16 if expert_type == "F16"
+                        else gguf.LlamaFileType.ALL_F32)
     qtype = getattr(gguf.GGMLQuantizationType, expert_type)
     for name, data in _weights(spec).items():
         if _is_expert(name) and qtype != gguf.GGMLQuantizationType.F32:

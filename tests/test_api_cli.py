@@ -257,6 +257,43 @@ def test_demo_runs_on_the_cpu_build(tmp_path):
     assert f"plot written to {tmp_path / 'sweep.png'}" in result.stdout.replace("\n", "")
 
 
+def test_demo_json_puts_the_figures_on_stdout_and_the_narrative_on_stderr(tmp_path):
+    result = cli("demo", "--json", "--out", str(tmp_path), "-n", "24", "-r", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["parity"] is True and report["sweep"]["schema"] == "pyllamapool.sweep/1"
+    assert [r["slots"] for r in report["sweep"]["rows"]][0] == 0
+    assert "logits bit-identical" in result.stderr
+
+
+def piped(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a log or `| less` sees it: stdout a pipe, no COLUMNS."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run([sys.executable, "-m", "pyllamapool", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+
+
+def test_tables_printed_to_a_pipe_keep_every_column_and_word():
+    from pyllamapool import predict as P
+
+    profiles = piped("predict", "--list-profiles")
+    assert profiles.returncode == 0 and "…" not in profiles.stdout
+    lines = profiles.stdout.splitlines()
+    for prof in P.PROFILES.values():  # each row on one line, its description whole
+        assert any(prof.name in line and prof.description in line for line in lines), prof.name
+    validation = piped("predict", "--validate")
+    assert validation.returncode == 0 and "…" not in validation.stdout
+    header = next(line for line in validation.stdout.splitlines() if "anchor" in line)
+    assert header.count("┃") == 12  # all eleven columns side by side
+    for anchor in P.ANCHORS:
+        assert any(line.count("│") == 12 and anchor.name in line for line in validation.stdout.splitlines())
+
+
+def test_every_table_has_a_json_twin():
+    assert json.loads(piped("predict", "--list-profiles", "--json").stdout)[0]["name"] == "mi50-pcie3"
+    assert json.loads(piped("predict", "--validate", "--json").stdout)[0]["anchor"]
+
+
 def test_launchers_pass_arguments_through_unchanged(tmp_path):
     result = cli("bench", "--help")
     assert "--moe-expert-cache" in result.stdout + result.stderr
@@ -312,3 +349,20 @@ def test_trace_command_records_the_pool_view(qwen3_model, rpc_server, tmp_path):
     runtime = next(l for l in result.stdout.splitlines() if "expert pool runtime" in l)
     misses = int(runtime.split("misses=")[1].split()[0])
     assert misses == int(trace.miss.sum()) * 3  # three pools (gate, up, down) share each layer's lookups
+
+
+def test_tune_without_a_device_predicts_and_says_so(qwen3_model):
+    result = cli("tune", str(qwen3_model), "--device-mib", "16384", "--profile", "rtx3090-pcie4", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tuned = json.loads(result.stdout)
+    assert tuned["link"] is None and tuned["host"]["gb_per_s"] > 0  # the CPU is measured even so
+    assert {c["source"] for c in tuned["choices"]} == {"predicted"}
+    assert any("predicted" in n and "rtx3090-pcie4" in n for n in tuned["notes"])
+    assert tuned["command"][:2] == ["pyllamapool", "server"] and "-mec" in tuned["command"]
+
+
+def test_tune_names_a_bad_mode_and_a_missing_model(qwen3_model, tmp_path):
+    missing = cli("tune", str(tmp_path / "none.gguf"))
+    assert missing.returncode != 0 and "none.gguf' does not exist" in missing.stderr
+    bad = cli("tune", str(qwen3_model), "--mode", "turbo", "--device-mib", "16384")
+    assert bad.returncode != 0 and "'turbo' is not a mode: expected hybrid, copy" in bad.stderr

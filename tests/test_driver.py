@@ -519,3 +519,42 @@ def test_vulkan_header_versions_are_read_from_vulkan_core_h(tmp_path):
         "#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 4, VK_HEADER_VERSION)\n")
     assert vulkan_deps.header_version(tmp_path) == (1, 4, 309)
     assert vulkan_deps.header_version(tmp_path / "none") is None
+
+
+_FAKE_NINJA = ("import time\n"
+               "for i in range(1, 4):\n"
+               "    print(f'[{i}/3] Building CXX object src/CMakeFiles/llama.dir/llama-file-{i}.cpp.o', flush=True)\n"
+               "    time.sleep(0.3)\n")
+_COMPILE = ("import sys\n"
+            "from pyllamapool.buildsys import _compile\n"
+            "from pyllamapool.runner import Runner\n"
+            "_compile([sys.executable, '-c', sys.argv[1]], Runner(), {})\n")
+
+
+def test_the_build_shows_files_compiled_of_total_in_a_terminal_and_is_quiet_in_a_pipe():
+    import pty
+    import select
+
+    argv = [sys.executable, "-c", _COMPILE, _FAKE_NINJA]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, close_fds=True)
+    os.close(slave)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 30)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    proc.wait(timeout=30)
+    os.close(master)
+    text = seen.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "compile" in text and "3/3" in text and "llama-file-" in text  # the step, files of total, the file
+    piped = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert piped.returncode == 0 and "3/3" not in piped.stdout + piped.stderr

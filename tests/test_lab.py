@@ -207,52 +207,97 @@ def test_benchmark_json_rows_have_the_documented_keys_and_meanings():
     assert "copies" in result.stderr and "OPT" in result.stderr
 
 
-def test_the_readme_tables_are_what_the_benchmark_computes():
-    """Every preset, the published seeds: regenerated here and compared with the README as written."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_policy_lab_page_shows_what_the_benchmark_computes():
+    """Every preset, the published seeds: regenerated here and compared with docs/policy-lab.md as written."""
+    readme = (ROOT / "docs" / "policy-lab.md").read_text()
     policy, gate = bench.readme_tables()
     assert policy in readme
     assert gate in readme
 
 
-def test_the_gpu_check_runs_end_to_end_on_the_testbed(tmp_path):
-    """benchmarks/gpu_check.py in its CPU mode: the same code a CUDA or ROCm machine runs."""
+def _gpu_check(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *argv],
+                          capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
+    """benchmarks/gpu_check.py in its CPU mode: the same steps a CUDA or ROCm machine runs."""
     out = tmp_path / "gpu-check.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "run", "--testbed",
-                             "--geometry", "tiny", "--tokens", "24", "--card-mib", "1030,65536", "--upload-mib", "8",
-                             "--parity-types", "F16,Q4_K", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = _gpu_check("run", "--testbed", "--geometry", "tiny", "--tokens", "24", "--card-mib", "1030,65536",
+                        "--upload-mib", "8", "--parity-types", "F16,Q4_K", "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["schema"] == "pyllamapool.gpu-check/1" and report["device"]["name"].startswith("RPC")
+    assert report["schema"] == "pyllamapool.gpu-check/2" and report["device"]["name"].startswith("RPC")
+    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "inline-first",
+                                                     "other-cards", "resident", "parity", "parity-types",
+                                                     "cxx-runtime"]
+    assert all(s["status"] == "done" and s["wall_s"] >= 0 and s["est_s"] > 0 for s in report["steps"])
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
-    assert report["parity"]["bit_identical"] and report["parity"]["evictions"] > 0
-    assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
-    assert all(r["evictions"] > 0 for r in report["parity_by_type"])
-    modes = [r["mode"] for r in report["rows"]]
-    # -mec 4, 8, 16 on two cards, the first with both upload paths
-    assert modes[0] == "stock" and modes.count("copy") == modes.count("hybrid") == 3 * 3
-    first = [r for r in report["rows"] if r["mode"] in ("copy", "hybrid") and r["card_mib"] == 1030]
-    assert sorted(r["uploads"] for r in first) == ["inline"] * 6 + ["stream"] * 6
-    assert all(r["block_ms_per_token"] >= 0 for r in first)
-    assert modes[-1] == "resident"
-    assert any(r["cpu_experts"] > 0 for r in report["rows"] if r["mode"] == "hybrid")
-    # llama.cpp's own cache beside the pool, at the copy-mode pool's bytes, wherever that pool was admitted
-    upstream = [r for r in report["rows"] if r["mode"] == "upstream"]
+    rows = report["rows"]
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r)
+    # stock first; -mec 4 and 8 (top-k, half; a quarter is top-k here) in both modes on every card
+    assert rows[0]["mode"] == "stock"
+    assert sorted((r["mode"], r["mec"]) for r in by_step["first-card"][1:]) == [
+        ("copy", 4), ("copy", 8), ("hybrid", 4), ("hybrid", 8)]
+    # the small card admits no pool (or only one the rail limits); the big one admits every -mec
+    assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in by_step["first-card"][1:])
+    big = [r for r in by_step["other-cards"] if r["mode"] in ("copy", "hybrid")]
+    assert len(big) == 4 and all(r["status"] == "enabled" and r["uploads"] == "stream" for r in big)
+    assert any(r["cpu_experts"] > 0 for r in big if r["mode"] == "hybrid")
+    copied = [r["copy_bytes_per_token"] for r in sorted((r for r in big if r["mode"] == "copy"), key=lambda r: r["mec"])]
+    assert copied[0] > copied[-1]
+    assert all(r["block_ms_per_token"] >= 0 for r in big)
+    # llama.cpp's own cache beside every admitted copy pool, at its bytes
+    upstream = [r for r in rows if r["mode"] == "upstream"]
+    assert {(r["card_mib"], r["mec"]) for r in upstream} == {
+        (r["card_mib"], r["mec"]) for r in rows if r["mode"] == "copy" and r["status"] == "enabled"}
     assert upstream and all(r["status"] == "enabled" and r["hit_rate"] > 0 for r in upstream)
-    assert {(r["card_mib"], r["slots"]) for r in upstream} == {
-        (r["card_mib"], r["slots"]) for r in report["rows"] if r["mode"] == "copy" and r["status"] == "enabled"}
-    big = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 65536]
-    assert all(r["status"] == "enabled" for r in big)
-    copied = [r["copy_bytes_per_token"] for r in sorted(big, key=lambda r: r["slots"])]
-    assert copied == sorted(copied, reverse=True) and copied[0] > copied[-1]
-    small = [r for r in report["rows"] if r["mode"] == "copy" and r["card_mib"] == 1030]
-    assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in small)
-    assert report["host_expert_ms"] >= 0
-    assert "GPU check: RPC0" in result.stdout
+    # every design with every expert on the device: its fixed cost, and the host's cost per CPU expert
+    assert [r["mode"] for r in by_step["resident"]] == ["hybrid-resident", "copy-resident", "resident"]
+    assert all(r["status"] == "enabled" for r in by_step["resident"][:2]) and report["host_expert_ms"] > 0
+    # parity: copy bit for bit against all-resident with evictions; hybrid within its stated bound
+    parity = report["parity"]
+    assert parity["bit_identical"] and parity["evictions"] > 0
+    assert parity["hybrid"]["within_bound"] and parity["hybrid"]["cpu_experts"] > 0
+    assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
+    # the prediction beside each measured row, from the profile this run measured
+    predicted = [r for r in rows if "predicted_tps" in r]
+    assert {r["mode"] for r in predicted} >= {"stock", "copy", "hybrid", "upstream"}
+    assert all(r["predicted_tps"] > 0 and r["prediction_error"] is not None for r in predicted)
+    assert report["predict_profile"]["pcie_gb_s"] == report["upload"]["pageable_gb_s"]  # RPC: no pinned memory
+    assert report["cxx_runtime"]["this_process"]["preloaded"] == "libstdc++.so.6"
+    assert report["cxx_runtime"]["without_rule"]["loaded"]
+    markdown = (tmp_path / "gpu-check.md").read_text()
+    assert markdown in result.stdout and "| other-cards | copy | stream | 65536 | 8 |" in markdown
 
 
-def test_the_readme_shows_hybrid_admission_against_copy_on_miss_as_computed():
-    readme = (ROOT / "README.md").read_text()
+def test_the_gpu_check_stops_at_its_deadline_and_keeps_what_it_measured(tmp_path):
+    out = tmp_path / "gpu-check.json"
+    result = _gpu_check("run", "--testbed", "--geometry", "tiny", "--tokens", "8", "--card-mib", "65536",
+                        "--upload-mib", "8", "--parity-types", "", "--deadline-s", "6", "--out", str(out), cwd=tmp_path)
+    report = json.loads(out.read_text())
+    status = {s["step"]: s.get("status") for s in report["steps"]}
+    assert result.returncode == 0, result.stderr[-2000:]
+    # the bandwidth always runs; parity's two children are estimated past 6 s on their own
+    assert status["upload"] == "done" and status["parity"] == "skipped: deadline", status
+    assert "parity" not in report and "skipped, " in result.stderr
+    markdown = (tmp_path / "gpu-check.md").read_text()
+    assert "| parity | skipped: deadline |" in markdown
+
+
+def test_the_plan_for_an_h200_fits_the_lease_with_the_build():
+    result = _gpu_check("plan", "--json", cwd=ROOT)
+    plan = json.loads(result.stdout)
+    assert result.returncode == 0 and plan["fits_lease"] and plan["fits_deadline"]
+    assert plan["geometry"] == "qwen3-30b-a3b" and plan["build_s"] > 0
+    assert plan["total_s"] <= 14 * 60
+    assert [s["step"] for s in plan["steps"]][:4] == ["build", "generate", "upload", "first-card"]
+
+
+def test_the_policy_lab_page_shows_hybrid_admission_against_copy_on_miss_as_computed():
+    readme = (ROOT / "docs" / "policy-lab.md").read_text()
     table = bench.hybrid_table()
     assert table in readme
     # hybrid never uploads more than copy-on-miss, and serves misses on the CPU instead

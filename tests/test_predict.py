@@ -206,7 +206,32 @@ def test_measure_host_times_the_cpus_expert_matmul():
         measure_host("Q4_K", 200, 256)
 
 
-def test_the_readme_shows_the_validation_and_the_predicted_modes_as_computed():
-    readme = (ROOT / "README.md").read_text()
+def test_the_predict_page_shows_the_validation_and_the_predicted_modes_as_computed():
+    readme = (ROOT / "docs" / "predict.md").read_text()
     assert P.validation_markdown() in readme
     assert P.readme_table() in readme
+
+
+def test_the_readmes_which_mode_table_quotes_the_predicted_modes():
+    """The README's short card table carries the ratios docs/predict.md computes for each anchor."""
+    readme = (ROOT / "README.md").read_text()
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for line in P.readme_table().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        ratio = lambda cell: float(cell.split("(")[1].rstrip("x)"))  # noqa: E731
+        rows.setdefault(cells[0], []).append((ratio(cells[3]), ratio(cells[4])))  # copy, hybrid
+
+    def span(values: list[float]) -> str:
+        lo, hi = min(values), max(values)
+        return f"{lo:.2f}x" if lo == hi else f"{lo:.2f}-{hi:.2f}x"
+
+    quoted = {"mi50-qwen38": "MI50", "2x3090-glm53": "2x RTX 3090", "pcie3-ddr4-regression": "8-channel DDR4",
+              "4090-qwen38-curve": "RTX 4090"}
+    for anchor, machine in quoted.items():
+        line = next(l for l in readme.splitlines() if l.startswith("|") and machine in l)
+        copy, hybrid = [c for c, _ in rows[anchor]], [h for _, h in rows[anchor]]
+        assert f"hybrid {span(hybrid)}" in line and f"copy {span(copy)}" in line, (anchor, line)
+        # the mode the table names wins at every slot count of that machine
+        pairs = rows[anchor]
+        winner = "hybrid" if all(h > c for c, h in pairs) else "copy" if all(c > h for c, h in pairs) else None
+        assert winner and f"| {winner} |" in line, (anchor, line)

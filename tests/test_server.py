@@ -274,3 +274,58 @@ def test_llama_bench_sweeps_the_pool_mode_in_a_mode_column_kept_last_in_csv(qwen
     assert [l.split(",")[-2].strip('"') for l in lines[1:]] == ["8", "8"]
     bad = subprocess.run([*argv[:-2], "--moe-pool-mode", "turbo"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode != 0
+
+
+def _run_as_printed(command_line: str, monkeypatch):
+    """A tune command line as a user pastes it: VAR=value words set the environment, `pyllamapool` is
+    this interpreter's module (the same entry point an installed package puts on PATH)."""
+    import shlex
+    import sys
+
+    words = shlex.split(command_line)
+    while "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        monkeypatch.setenv(key, value)
+    assert words[:2] == ["pyllamapool", "server"], words
+    return [sys.executable, "-m", "pyllamapool", *words[1:]]
+
+
+@pytest.mark.parametrize("modes", [None, "hybrid"], ids=["best-of-all", "hybrid-only"])
+def test_tune_recommends_a_setting_whose_command_line_starts_the_server_with_it(qwen3_model, rpc_server,
+                                                                               monkeypatch, modes):
+    import sys
+
+    argv = [sys.executable, "-m", "pyllamapool", "tune", str(qwen3_model), "--rpc", rpc_server.endpoint,
+            "--device-mib", "16384", "-n", "24", "--json"] + (["--mode", modes] if modes else [])
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tuned = json.loads(result.stdout)
+    assert tuned["schema"] == "pyllamapool.tune/1" and tuned["host"]["ms_per_expert"] > 0 and tuned["link"]
+    choices = tuned["choices"]
+    assert choices[0]["mode"] == "stock" and all(c["source"] == "measured" for c in choices)
+    assert {c["mode"] for c in choices[1:]} == ({"hybrid"} if modes else {"hybrid", "copy"})
+    best = tuned["best"]
+    stock = choices[0]["tokens_per_s"]
+    # the pool is recommended only where it beat stock by more than the margin; else stock
+    assert best["mode"] == "stock" or best["tokens_per_s"] >= 1.05 * stock
+    if modes == "hybrid":
+        best_hybrid = max(choices[1:], key=lambda c: c["tokens_per_s"])
+        assert best == (best_hybrid if best_hybrid["tokens_per_s"] >= 1.05 * stock else choices[0])
+    with llama_server_argv(_run_as_printed(tuned["command_line"], monkeypatch)) as (port, lines):
+        assert complete(port, "the quick brown fox", n=4)["content"] is not None
+    text = "".join(lines)
+    if best["mode"] == "stock":
+        assert "expert pool status=enabled" not in text
+    else:
+        status = next(l for l in lines if "expert pool status=" in l)
+        assert "status=enabled" in status and f"mode={best['mode']}" in status
+        assert f"actual_slots={best['slots']}" in status
+
+
+@contextmanager
+def llama_server_argv(argv: list[str]):
+    proc, port, lines, reader = _start([*argv, "--host", "127.0.0.1"])
+    try:
+        yield port, lines
+    finally:
+        _stop(proc, reader)

@@ -179,7 +179,7 @@ def gate_summary(rows: list[Row], default: str = DEFAULT, gated: str = "product-
     return out
 
 
-#: the seeds the README's tables are computed over
+#: the seeds docs/policy-lab.md's tables are computed over
 README_SEEDS = (0, 1, 2)
 
 
@@ -189,7 +189,7 @@ def _span(values: list[float], digits: int, always_two: bool = False) -> str:
 
 
 def readme_tables(seeds: tuple[int, ...] = README_SEEDS) -> tuple[str, str]:
-    """The README's two policy-lab tables (Markdown): the default policy's copied bytes against LRU and
+    """docs/policy-lab.md's two tables (Markdown): the default policy's copied bytes against LRU and
     OPT, and the admission gate against the default, on every preset at its default size, over seeds."""
     summaries, gates = [], []
     for seed in seeds:
