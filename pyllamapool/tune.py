@@ -151,9 +151,10 @@ def tune(model: str | Path, offload: Offload, *, device_mib: int | tuple[int, ..
         grid = SweepGrid(slots=(0, *slots), device_mib=device_mib, mode=modes)
         sweep_offload = replace(offload, n_ctx=max(offload.n_ctx, n_tokens + 16))
         result = run_sweep(model, sweep_offload, grid, stream[:8], stream[8:], repeats=1, console=console)
-        for r in result.rows:
+        # the mode asked for (a disabled pool's status reports no mode of its own)
+        for cfg, r in zip(grid.configs(), result.rows):
             pooled = r["slots"] != 0
-            choices.append(Choice(r["mode"] if pooled else "stock", r["actual_slots"] if pooled else 0,
+            choices.append(Choice(cfg.mode if pooled else "stock", r["actual_slots"] if pooled else r["slots"],
                                   r["decode_tps"]["median"], "measured", r["hit_rate"] if pooled else None,
                                   (r["status"] if r["status"] == "enabled" else f"disabled: {r['reason']}")
                                   if pooled else ""))
