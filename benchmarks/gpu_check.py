@@ -775,7 +775,7 @@ def main() -> int:
         r.add_argument("--geometry", choices=list(SHAPES), default=None,
                        help="the model's shape (default qwen3-30b-a3b; tiny with --testbed)")
         r.add_argument("--mec", type=_ints, default=None,
-                       help="slots per layer (default: top-k, 1/4, 1/2 and all of the experts)")
+                       help="slots per layer (default: top-k, 1/4 and 1/2 of the experts; all of them is the resident step)")
         r.add_argument("--card-mib", type=_ints, default=[16384, 24576],
                        help="emulated card sizes (LLAMA_MOE_POOL_DEVICE_MIB), the most important first")
         r.add_argument("--tokens", type=int, default=64, help="teacher-forced decode tokens per run")
