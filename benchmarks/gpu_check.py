@@ -558,12 +558,13 @@ def TESTBED_PROFILE():
                            device_gb_s=4.0, sync_us=80.0)
 
 
-def plan(args, console=None) -> dict:
+def plan(args, console=None, est: "Estimator | None" = None) -> dict:
+    """The dry run's steps and seconds; `est`, a run's own estimator, so its routing is replayed once."""
     from rich.table import Table
 
     from pyllamapool.fullsize import shape
 
-    est = Estimator(shape(args.geometry), plan_profile(args), args.tokens, args.testbed)
+    est = est or Estimator(shape(args.geometry), plan_profile(args), args.tokens, args.testbed)
     fake = Check.__new__(Check)  # only what the estimates read
     fake.args, fake.est, fake.spec = args, est, est.spec
     rows = [("build", "CUDA build (a command of its own)", 0.0 if args.testbed else CUDA_BUILD_S),
@@ -604,7 +605,7 @@ def run(args) -> int:
     console = table_console(stderr=True)
     c = Check(args, console)
     c.est = Estimator(c.spec, plan_profile(args), args.tokens, args.testbed)
-    c.report["plan"] = plan(args)
+    c.report["plan"] = plan(args, est=c.est)
     try:
         t = time.perf_counter()
         c.model_path, stats = cached_fullsize(c.spec)
