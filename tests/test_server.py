@@ -65,14 +65,18 @@ def _stop(proc, reader) -> None:
 
 
 @contextmanager
-def llama_server(model, *args: str):
-    argv = [str(tool_path("llama-server")), "-m", str(model), "--host", "127.0.0.1", "-c", "2048", "-t", "1",
-            "--no-warmup", *args]
-    proc, port, lines, reader = _start(argv)
+def llama_server_argv(argv: list[str]):
+    """(port, log lines) of a server started from argv on a free loopback port, stopped afterwards."""
+    proc, port, lines, reader = _start([*argv, "--host", "127.0.0.1"])
     try:
         yield port, lines
     finally:
         _stop(proc, reader)
+
+
+def llama_server(model, *args: str):
+    return llama_server_argv([str(tool_path("llama-server")), "-m", str(model), "-c", "2048", "-t", "1",
+                              "--no-warmup", *args])
 
 
 def complete(port: int, prompt: str, n: int = 24) -> dict:
@@ -320,12 +324,3 @@ def test_tune_recommends_a_setting_whose_command_line_starts_the_server_with_it(
         status = next(l for l in lines if "expert pool status=" in l)
         assert "status=enabled" in status and f"mode={best['mode']}" in status
         assert f"actual_slots={best['slots']}" in status
-
-
-@contextmanager
-def llama_server_argv(argv: list[str]):
-    proc, port, lines, reader = _start([*argv, "--host", "127.0.0.1"])
-    try:
-        yield port, lines
-    finally:
-        _stop(proc, reader)
