@@ -15,12 +15,13 @@ and the next one runs:
  1. upload         host -> device bandwidth, pageable and pinned, and one small copy's latency
  2. first-card     stock, then hybrid and copy (default uploads) at each -mec on an emulated 16 GB card
  3. upstream-first llama.cpp's --moe-cache-mib at each copy pool's device bytes (equal memory)
- 4. inline-first   hybrid and copy with uploads=inline
- 5. other-cards    hybrid, copy and upstream's cache on the other emulated cards (24 GB)
- 6. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
- 7. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
- 8. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
- 9. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
+ 4. auto-first     -mec auto on the first card (sized by itself, standing down where stock is faster)
+ 5. inline-first   hybrid and copy with uploads=inline
+ 6. other-cards    hybrid, copy, upstream's cache and -mec auto on the other emulated cards (24 GB)
+ 7. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
+ 8. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
+ 9. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
+10. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
 
 then `pyllamapool predict` with the profile this run measured beside every measured row. It writes the
 JSON (schema pyllamapool.gpu-check/2) after every step, so a run cut short keeps what it measured, and
@@ -94,6 +95,8 @@ class Estimator:
     def ms_per_token(self, mode: str, mec: int = 0) -> float:
         from pyllamapool import predict as P
 
+        if mode == "auto":  # the faster of stock and the pool, plus probing: at most about stock's time
+            return 1.1 * self.ms_per_token("stock")
         if mode.endswith("-resident"):  # a pool holding every expert: nothing misses after warm-up
             mode, mec = mode.removesuffix("-resident"), self.spec.n_expert
         key = (mode, mec)
@@ -242,7 +245,9 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
             "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions,
             "cpu_experts": c.cpu_experts, "cpu_experts_per_token": c.cpu_experts / max(1, n_tokens),
             "deferred": c.deferred, "syncs_per_token": c.syncs_per_token,
-            "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0}
+            "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0,
+            # -mec auto: the share of the pool's steps it ran on the stock path
+            "stock_share": c.stood_down_steps / max(1, c.steps + c.stood_down_steps)}
 
 
 def step_upload(c: Check) -> None:
@@ -289,6 +294,17 @@ def step_upstream_first(c: Check) -> None:
     _upstream(c, "upstream-first", c.args.card_mib[0])
 
 
+def _auto(c: Check, step: str, card: int) -> None:
+    from pyllamapool.pool import PoolConfig
+
+    c.decode(step, "auto", "offloaded", -1, card, pool=PoolConfig(slots="auto", device_mib=card,
+                                                                   uploads=_first_card_uploads(c)))
+
+
+def step_auto_first(c: Check) -> None:
+    _auto(c, "auto-first", c.args.card_mib[0])
+
+
 def step_inline(c: Check) -> None:
     _card_runs(c, "inline-first", c.args.card_mib[0], ("hybrid", "copy"), "inline")
 
@@ -315,6 +331,7 @@ def step_card_second(c: Check) -> None:
     for card in c.args.card_mib[1:]:
         _card_runs(c, "other-cards", card, ("hybrid", "copy"), _first_card_uploads(c))
         _upstream(c, "other-cards", card)
+        _auto(c, "other-cards", card)
 
 
 def _child(c: Check, *argv: str, **env: str) -> dict:
@@ -413,7 +430,7 @@ def step_predict(c: Check) -> None:
         return
     routing = c.est.routing
     for r in c.rows:
-        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream") or \
+        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream", "auto") or \
                 (r["mode"] != "stock" and r.get("status") == "disabled"):
             continue
         mode = {"upstream": "merged-lru"}.get(r["mode"], r["mode"])
@@ -433,10 +450,13 @@ STEPS = (
         c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")) + c.est.load_s(), step_card_first),
     Step("upstream-first", "llama.cpp's --moe-cache-mib at equal memory", lambda c: sum(
         c.est.run_s("upstream", mec) for mec in c.args.mec) + c.est.load_s(), step_upstream_first),
+    Step("auto-first", "-mec auto on the first card", lambda c: c.est.run_s("hybrid", max(c.args.mec)),
+         step_auto_first),
     Step("inline-first", "copy and hybrid with uploads=inline", lambda c: sum(
         c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")), step_inline),
     Step("other-cards", "the second card", lambda c: sum(c.est.run_s(m, mec) for mec in c.args.mec for m in (
-        "hybrid", "copy", "upstream")) * (len(c.args.card_mib) - 1) + c.est.load_s(), step_card_second),
+        "hybrid", "copy", "upstream")) * (len(c.args.card_mib) - 1) + c.est.load_s() + c.est.run_s(
+        "hybrid", max(c.args.mec)) * (len(c.args.card_mib) - 1), step_card_second),
     Step("resident", "every expert on the device, per design", lambda c: 2 * c.est.run_s("copy", c.spec.n_expert)
          + c.est.run_s("resident") + c.est.load_s(True), step_resident),
     Step("parity", "copy bit for bit, hybrid within the bound", lambda c: 2 * c.est.child_s(3), step_parity,

@@ -59,12 +59,18 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", dest="n_threads", type=_positive)
 
 
-def _slots(text: str) -> tuple[int, ...]:
-    """-mec N or N0,N1,...: slots per offloaded tensor (0 = off, -1 = as many as fit)."""
-    values = _int_list(text)
-    if not values or any(v < -1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: slots must be whole numbers >= 0 (0 = pool off) or -1 "
-                                         "(as many as the ledger allows)")
+def _slots(text: str) -> tuple[int | str, ...]:
+    """-mec N or N0,N1,...: slots per offloaded tensor (0 = off, -1 = as many as fit, auto = as many as
+    fit and the pool stands down where decode is faster without it)."""
+    from .pool import AUTO
+    parts = [v.strip() for v in text.split(",")]
+    try:
+        values = [v if v == AUTO else int(v) for v in parts]
+    except ValueError:
+        values = []
+    if not values or any(v != AUTO and v < -1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: slots must be whole numbers >= 0 (0 = pool off), -1 "
+                                         "(as many as the ledger allows) or auto")
     return tuple(values)
 
 
@@ -101,14 +107,15 @@ def _existing_file(text: str) -> str:
 def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
     if sweepable:
         p.add_argument("--slots", "-mec", "--moe-expert-cache", dest="slots", type=_slots, default=(0, 8, 16),
-                       help="slot counts to sweep, e.g. 0,8,16 (0 = pool off)")
+                       help="slot counts to sweep, e.g. 0,8,16,auto (0 = pool off)")
         p.add_argument("--rail-mib", type=_mib_list, default=(None,), help="rails to sweep (MiB)")
         p.add_argument("--cap-mib", type=_mib_list, default=(None,), help="caps to sweep (MiB)")
         p.add_argument("--profile", type=_existing_file, action="append", default=None,
                        help="profile file(s) to sweep (blk.<layer> <weight> lines)")
     else:
         p.add_argument("-mec", "--moe-expert-cache", dest="slots", type=_slots, default=(0,),
-                       help="expert pool slots per offloaded tensor (N or N0,N1,...; 0 = off, -1 = as many as fit)")
+                       help="expert pool slots per offloaded tensor (N or N0,N1,...; 0 = off, -1 = as many as fit; "
+                            "auto = as many as fit, standing down where decode is faster without the pool)")
         p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
         p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
         p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")
@@ -117,8 +124,9 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
     p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
                    help=f"slot policy: adaptive (default) or lru{several}")
     p.add_argument("--gate", type=_choices("gate", list(GATES)), default=(None,),
-                   help="admission gate: off (default) or yield, where a layer whose pool copies more than it "
-                        f"serves runs the stock path for a while{several}")
+                   help="admission gate: off (default); yield, where a layer whose pool copies more than it "
+                        "serves runs the stock path for a while; or auto (what -mec auto sets), where timed "
+                        f"decode steps decide whether the pool runs at all{several}")
     p.add_argument("--mode", "--moe-pool-mode", dest="mode", type=_choices("mode", list(MODES)), default=(None,),
                    help="hybrid (default: the device computes the experts it holds, the CPU the misses) or copy (a "
                         f"miss is copied to a slot before the matmul){several}")

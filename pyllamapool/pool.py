@@ -25,7 +25,10 @@ class PoolConfigError(PyllamapoolError):
 POLICY_KINDS = {"adaptive": 2, "lru": 1}
 DEFAULT_POLICY = "adaptive"
 #: the admission gate by its C API code (enum llama_moe_pool_gate_type)
-GATES = {"off": 1, "yield": 2}
+#: "auto": decode steps timed with and without the pool in turns, the faster side runs (`-mec auto`)
+GATES = {"off": 1, "yield": 2, "auto": 3}
+#: slots="auto" (`-mec auto`): as many slots as fit, and the pool stands down where decode is faster without it
+AUTO = "auto"
 #: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
 MODES = {"copy": 1, "hybrid": 2}
 #: how misses' bytes reach the slots, by C API code (enum llama_moe_pool_uploads): "stream" (pinned
@@ -96,11 +99,15 @@ class PoolConfig:
     """What to ask of the pool. None = take the environment knob (LLAMA_MOE_POOL_*) or its default.
 
     slots: requested slots per offloaded expert tensor; an int for every device, or one per device;
-        0 = off, -1 = as many as the ledger allows (up to every expert).
+        0 = off, -1 = as many as the ledger allows (up to every expert); "auto" = -1 with gate "auto",
+        as `-mec auto` asks: decode steps are timed with the pool and on the stock path in turns, and
+        the pool stands down while the stock path is not slower.
     device_mib: emulated device size(s) in MiB; an int for every device, or one per device.
     policy: which expert a miss evicts: "adaptive" (the default) or "lru".
-    gate: "off" (the default) or "yield": a layer whose full pool copies in more experts than it serves
-        runs the stock path (CPU experts) for a cool-down; those steps are not device-computed.
+    gate: "off" (the default), "yield": a layer whose full pool copies in more experts than it serves
+        runs the stock path (CPU experts) for a cool-down; those steps are not device-computed; or
+        "auto" (what slots="auto" sets): the whole pool stands down while timed decode steps show the
+        stock path is not slower.
     mode: "hybrid" (the default: the device computes the experts it holds while the CPU computes
         the misses, which are uploaded after the CPU served them, when they pay back) or "copy" (a
         miss is copied to a slot before the layer's matmul).
@@ -117,7 +124,7 @@ class PoolConfig:
         (copies on the compute queue from wherever the bytes are; LLAMA_MOE_POOL_UPLOADS).
     staging_mib: the stream path's pinned staging per device (default 64, LLAMA_MOE_POOL_STAGING_MIB).
     """
-    slots: int | tuple[int, ...] = 0
+    slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
     cap_mib: int | None = None
     device_mib: int | tuple[int, ...] | None = None
@@ -133,13 +140,23 @@ class PoolConfig:
 
     @property
     def slot_list(self) -> tuple[int, ...]:
+        if self.slots == AUTO:
+            return (-1,)
         return (self.slots,) if isinstance(self.slots, int) else tuple(self.slots)
+
+    @property
+    def gate_asked(self) -> str | None:
+        """The gate this config asks for: its own, else "auto" where slots="auto"."""
+        return self.gate if self.gate is not None or self.slots != AUTO else AUTO
 
     @property
     def enabled(self) -> bool:
         return any(s != 0 for s in self.slot_list)
 
     def validate(self) -> None:
+        if isinstance(self.slots, str) and self.slots != AUTO:
+            raise PoolConfigError(f"slots {self.slots!r} is invalid: expected a whole number >= 0, -1 or "
+                                  f"{AUTO!r}")
         slots = self.slot_list
         if not slots or len(slots) > MAX_DEVICES:
             raise PoolConfigError(f"slots needs 1 to {MAX_DEVICES} values, got {len(slots)}")
@@ -218,8 +235,8 @@ class PoolConfig:
                 setattr(params, name, text)
         if config.policy is not None:
             params.policy = policy_kind(config.policy)
-        if config.gate is not None:
-            params.gate = gate_code(config.gate)
+        if config.gate_asked is not None:
+            params.gate = gate_code(config.gate_asked)
         if config.mode is not None:
             params.mode = mode_code(config.mode)
         if config.upload_frac is not None:
@@ -290,6 +307,10 @@ class PoolCounters:
     #: queued but not yet in the slot table (a level, not a count)
     block_us: int = 0
     uploads_in_flight: int = 0
+    #: gate "auto": decode steps run on the stock path because they were not slower there, and times
+    #: the pool was stood down after it had been the faster side (per context)
+    stood_down_steps: int = 0
+    stand_downs: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -370,7 +391,8 @@ def _counters_from_c(c) -> PoolCounters:
     return PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.copy_bytes, c.steps, c.bypassed_steps,
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
                         c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
-                        c.prefill_host_bytes, c.block_us, c.uploads_in_flight)
+                        c.prefill_host_bytes, c.block_us, c.uploads_in_flight, c.stood_down_steps,
+                        c.stand_downs)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

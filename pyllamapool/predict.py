@@ -12,6 +12,9 @@ The model counts, per decoded token, the work each mode puts on the critical pat
 - hybrid mode: per layer the device computes the hits while the CPU computes the misses; the slower
   side counts. Uploads are admission decisions taken off the critical path within a budget (a
   fraction of the token time), so they cost no token time but limit how fast the pool fills.
+- `-mec auto`: hybrid mode and the stock path, each step run by the side `-mec auto`'s arbiter picks
+  from timed steps (`lab.arbiter` plays its rules over a reply of `arbiter.GENERATION` tokens): the
+  faster side's time plus what probing the other one costs.
 
 Hits and misses come from replaying the routing (a recorded trace or a calibrated preset) through
 each mode's policy (`lab.policies`). Per-expert costs come from the profile: bytes over the link's
@@ -21,16 +24,17 @@ says which of its figures are inputs and which are predicted.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import PyllamapoolError
-from .lab import policies, synth
+from .lab import arbiter, policies, synth
 from .trace import Trace
 
-MODES = ("stock", "copy", "hybrid", "merged-lru")
+MODES = ("stock", "copy", "hybrid", "merged-lru", "auto")
 MIB = 1 << 20
 
 
@@ -348,6 +352,16 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             uploads = misses * g.expert_bytes / link * 1e-6 + merged_copies * p.copy_latency_us / 1000
             row("merged-lru", hit, {"device": g.dense_ms, "device_experts": L * k * c.dev,
                                     "uploads": uploads, "syncs": L * c.sync}, 0.0, misses * g.expert_bytes)
+        elif mode == "auto":
+            pool = next((r for r in out if r.mode == "hybrid"), None) or \
+                predict(g, p, routing, slots, upload_frac, hit_rate, ("hybrid",), pinned)[0]
+            stock_ms = sum(stock_parts.values())
+            run = arbiter.play(pool.ms_per_token, stock_ms)
+            share = run.stock_share
+            parts = {key: share * stock_parts.get(key, 0.0) + (1 - share) * pool.parts_ms.get(key, 0.0)
+                     for key in {**stock_parts, **pool.parts_ms}}
+            row("auto", (1 - share) * pool.hit_rate, parts, share * L * k + (1 - share) * pool.cpu_experts,
+                (1 - share) * pool.upload_mib * MIB)
         elif mode == "hybrid":
             # the budget: uploads that fit in upload_frac of a token (the stock token bounds it:
             # hybrid is never slower than stock), spread over the layers' steps
@@ -510,6 +524,45 @@ def readme_table(seed: int = 0) -> str:
                 return f"{m[mode]:.1f} ({m[mode] / anchor.stock_tps:.2f}x)"
             lines.append(f"| {anchor.name} | {slots} | {anchor.stock_tps:.1f} | {cell('copy')} | {cell('hybrid')} | "
                          f"{cell('merged-lru')} | {m['hybrid'] / m['copy']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def auto_cases(seed: int = 0) -> list[tuple[str, str, "Geometry", int, "Routing", str]]:
+    """(machine, profile, geometry, slots, routing, preset) for `auto_markdown`: each anchor's machine
+    and model at its middle slot count, and the 2x3090 model behind an x4 eGPU link (the same cards
+    and dense work, a slower link), under every routing preset."""
+    machines = [(a.name, a.profile, _calibrated(a), a.measured[len(a.measured) // 2][0]) for a in ANCHORS]
+    glm = next(m for m in machines if m[0] == "2x3090-glm53")
+    machines.append(("2x3090-glm53 on an x4 eGPU", "rtx3090-egpu-x4", glm[2], glm[3]))
+    return [(name, prof, g, slots, Routing.from_preset(preset, seed), preset)
+            for name, prof, g, slots in machines for preset in synth.PRESETS]
+
+
+@functools.lru_cache(maxsize=4)
+def auto_rows(seed: int = 0) -> tuple[dict, ...]:
+    """Predicted t/s of stock, hybrid and `-mec auto` for each of `auto_cases`."""
+    rows = []
+    for name, prof, g, slots, routing, preset in auto_cases(seed):
+        m = {r.mode: r.tokens_per_s for r in predict(g, PROFILES[prof], routing, slots,
+                                                     modes=("stock", "hybrid", "auto"))}
+        rows.append({"machine": name, "slots": slots, "preset": preset, **m})
+    return tuple(rows)
+
+
+def auto_markdown(seed: int = 0) -> str:
+    """`-mec auto` against stock and hybrid on every machine and routing preset (Markdown): auto's
+    t/s as a multiple of stock's, hybrid's in brackets, and auto against the faster of the two."""
+    cells: dict[str, dict[str, dict]] = {}
+    for r in auto_rows(seed):
+        cells.setdefault(f"{r['machine']} | {r['slots']}", {})[r["preset"]] = r
+    presets = list(synth.PRESETS)
+    lines = ["| machine | slots | " + " | ".join(presets) + " | auto / faster of the two |",
+             "| --- | ---: | " + " | ".join("---:" for _ in presets) + " | ---: |"]
+    for key, row in cells.items():
+        vs_best = [r["auto"] / max(r["stock"], r["hybrid"]) for r in row.values()]
+        lines.append(f"| {key} | " + " | ".join(
+            f"{row[p]['auto'] / row[p]['stock']:.2f}x ({row[p]['hybrid'] / row[p]['stock']:.2f}x)" for p in presets) +
+            f" | {min(vs_best):.2f}-{max(vs_best):.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -228,9 +228,9 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["schema"] == "pyllamapool.gpu-check/2" and report["device"]["name"].startswith("RPC")
-    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "inline-first",
-                                                     "other-cards", "resident", "parity", "parity-types",
-                                                     "cxx-runtime"]
+    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "auto-first",
+                                                     "inline-first", "other-cards", "resident", "parity",
+                                                     "parity-types", "cxx-runtime"]
     assert all(s["status"] == "done" and s["wall_s"] >= 0 and s["est_s"] > 0 for s in report["steps"])
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
     rows = report["rows"]
@@ -254,6 +254,12 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert {(r["card_mib"], r["mec"]) for r in upstream} == {
         (r["card_mib"], r["mec"]) for r in rows if r["mode"] == "copy" and r["status"] == "enabled"}
     assert upstream and all(r["status"] == "enabled" and r["hit_rate"] > 0 for r in upstream)
+    # -mec auto on every card: sized by itself; on the big card it ran some steps on each side (stock
+    # first, then the pool's probe: 24 decode steps hold both)
+    auto = [r for r in rows if r["mode"] == "auto"]
+    assert [(r["step"], r["card_mib"]) for r in auto] == [("auto-first", 1030), ("other-cards", 65536)]
+    assert auto[1]["status"] == "enabled" and auto[1]["actual_slots"] > max(r["mec"] for r in big)
+    assert 0 < auto[1]["stock_share"] < 1
     # every design with every expert on the device: its fixed cost, and the host's cost per CPU expert
     assert [r["mode"] for r in by_step["resident"]] == ["hybrid-resident", "copy-resident", "resident"]
     assert all(r["status"] == "enabled" for r in by_step["resident"][:2]) and report["host_expert_ms"] > 0
@@ -264,7 +270,7 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
     # the prediction beside each measured row, from the profile this run measured
     predicted = [r for r in rows if "predicted_tps" in r]
-    assert {r["mode"] for r in predicted} >= {"stock", "copy", "hybrid", "upstream"}
+    assert {r["mode"] for r in predicted} >= {"stock", "copy", "hybrid", "upstream", "auto"}
     assert all(r["predicted_tps"] > 0 and r["prediction_error"] is not None for r in predicted)
     assert report["predict_profile"]["pcie_gb_s"] == report["upload"]["pageable_gb_s"]  # RPC: no pinned memory
     assert report["cxx_runtime"]["this_process"]["preloaded"] == "libstdc++.so.6"

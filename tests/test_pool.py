@@ -486,7 +486,7 @@ def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, mon
     if var == "LLAMA_MOE_POOL_POLICY":
         assert "expected lru or adaptive" in result.stderr
     if var == "LLAMA_MOE_POOL_GATE":
-        assert "expected off or yield" in result.stderr
+        assert "expected off, yield or auto" in result.stderr
     if var == "LLAMA_MOE_POOL_UPLOADS":
         assert "expected stream or inline" in result.stderr
 
@@ -1101,3 +1101,42 @@ def test_rpc_takes_the_inline_upload_path_and_either_path_is_bit_identical(qwen3
     assert d_status.uploads == "inline" and s_status.uploads == "stream"
     assert d_report.counters.uploads > 0 and s_report.counters.uploads > 0
     assert identical(default, resident_reference) and identical(streamed, resident_reference)
+
+
+# --------------------------------------------------------------------------------------------
+# -mec auto: the pool stands down where decode is faster without it
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "copy"])
+def test_auto_times_both_sides_and_every_step_equals_the_stock_path(qwen3_model, rpc_server, stream, mode):
+    """slots="auto" (`-mec auto`): sized as -1, and decode steps are timed on the stock path first,
+    then on the pool, whichever way the clock goes. Each step ran one side, so the steps add up, and
+    on this testbed both sides are ggml-cpu kernels: every step equals the stock run's."""
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    stock, *_ = decode(model, stream)
+    auto, report, status, lines = decode(model, stream, PoolConfig(slots="auto", mode=mode, device_mib=65536))
+    model.close()
+    c = report.counters
+    assert status.enabled and status.gate == "auto" and status.requested_slots == -1 and status.mode == mode
+    assert any("gate=auto" in l and "requested_slots=-1" in l for l in lines)
+    # every micro-batch the pool serves ran one side: the decode steps, and the 8-token prompt (a
+    # batch this small is one the pool serves); stock's are stood-down steps, not bypassed ones
+    assert c.stood_down_steps + c.steps == len(stream) - 8 + 1 and c.bypassed_steps == 0, c
+    assert c.stood_down_steps >= 10 and c.steps >= 7  # stock's warm-up and sample, then the pool's probe
+    verdict = [l for l in lines if re.match(r"expert pool auto=(pool|stock) reason=", l)]
+    assert verdict and "pool_ms_per_token=" in verdict[0] and "verdicts=1" in verdict[0]
+    shutdown = next(l for l in lines if l.startswith("expert pool auto reason=shutdown"))
+    assert f" stood_down_steps={c.stood_down_steps} " in shutdown
+    assert identical(auto, stock)
+
+
+def test_auto_is_only_a_slot_count_of_its_own(qwen3_model):
+    assert PoolConfig(slots="auto").slot_list == (-1,) and PoolConfig(slots="auto").gate_asked == "auto"
+    assert PoolConfig(slots="auto", gate="off").gate_asked == "off"  # a gate asked for is kept
+    with pytest.raises(PoolConfigError, match="'automatic' is invalid"):
+        PoolConfig(slots="automatic").validate()
+    with pytest.raises(PoolConfigError, match="'auto'"):
+        PoolConfig(slots=(8, "auto")).validate()
+    result = subprocess.run([str(tool_path("llama-server")), "-m", str(qwen3_model), "-mec", "auto,8"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "invalid slot count 'auto'" in result.stderr + result.stdout

@@ -235,3 +235,33 @@ def test_the_readmes_which_mode_table_quotes_the_predicted_modes():
         pairs = rows[anchor]
         winner = "hybrid" if all(h > c for c, h in pairs) else "copy" if all(c > h for c, h in pairs) else None
         assert winner and f"| {winner} |" in line, (anchor, line)
+
+
+def test_auto_plays_the_arbiters_rules_faster_side_first_probes_cheap():
+    """lab.arbiter plays -mec auto's rules with fixed step times: the faster side runs nearly every
+    step of a reply, and the slower side's probes cost a few percent (stock's first sample is free)."""
+    from pyllamapool.lab.arbiter import GENERATION, play
+
+    for ratio in (0.4, 0.7, 1.5, 2.5):
+        run = play(10.0 * ratio, 10.0)
+        best, worst = min(10.0, 10.0 * ratio), max(10.0, 10.0 * ratio)
+        assert run.holder == ("pool" if ratio < 1 else "stock")
+        assert best <= run.ms_per_token <= best + 0.07 * (worst - best) + 0.06 * best, ratio
+    tie = play(10.0, 10.0)
+    assert tie.holder == "stock" and tie.ms_per_token == pytest.approx(10.0)  # a tie keeps the stock path
+    assert play(5.0, 10.0, 16).stock_share == 10 / 16  # stock's warm-up and sample come first
+    with pytest.raises(ValueError, match="must be > 0"):
+        play(0.0, 10.0, GENERATION)
+
+
+def test_predicted_auto_is_never_below_stock_and_close_to_the_faster_side_everywhere():
+    """On every anchor's machine (and the 2x3090 behind an eGPU) under every routing preset."""
+    rows = P.auto_rows()
+    assert len(rows) == (len(P.ANCHORS) + 1) * len(synth.PRESETS)  # every machine, every preset
+    for r in rows:
+        assert r["auto"] >= 0.98 * r["stock"], r
+        assert r["auto"] >= 0.9 * max(r["stock"], r["hybrid"]), r
+
+
+def test_the_auto_page_shows_the_predicted_table_as_computed():
+    assert P.auto_markdown() in (ROOT / "docs" / "auto.md").read_text()

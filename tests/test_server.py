@@ -324,3 +324,27 @@ def test_tune_recommends_a_setting_whose_command_line_starts_the_server_with_it(
         status = next(l for l in lines if "expert pool status=" in l)
         assert "status=enabled" in status and f"mode={best['mode']}" in status
         assert f"actual_slots={best['slots']}" in status
+
+
+def test_without_mec_the_server_says_the_pool_is_one_flag_away_and_mec_auto_keeps_its_tokens(qwen3_model, rpc_server,
+                                                                                             monkeypatch):
+    """Routed experts in host memory (--cpu-moe) on an accelerator and no -mec: the pool stays off
+    (it is not the default until the GPU check measures -mec auto at or above stock on real cards)
+    and one line says so. -mec auto sizes the pool itself and times decode with and without it; its
+    tokens are the stock run's. -mec 0 says nothing."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe"]
+    with llama_server(qwen3_model, *args) as (port, lines):
+        reference = complete(port, PROMPTS[0], 40)
+    hint = [l for l in lines if "expert pool status=" in l]
+    assert len(hint) == 1 and "status=disabled reason=off" in hint[0] and "hint=-mec-auto" in hint[0]
+    assert int(re.search(r"host_expert_layers=(\d+)", hint[0]).group(1)) > 0
+    with llama_server(qwen3_model, *args, "-mec", "auto") as (port, lines):
+        auto = complete(port, PROMPTS[0], 40)
+    status = next(l for l in lines if "expert pool status=" in l)
+    assert "status=enabled" in status and "gate=auto" in status and "requested_slots=-1" in status
+    assert any(re.search(r"expert pool auto=(pool|stock) reason=", l) for l in lines)
+    assert auto["content"] == reference["content"] and logprobs(auto) == logprobs(reference)
+    with llama_server(qwen3_model, *args, "-mec", "0") as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    assert not any("expert pool" in l for l in lines)
