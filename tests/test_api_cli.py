@@ -143,7 +143,7 @@ def test_every_command_has_help(command):
 
 @pytest.mark.parametrize("args,needle", [
     (["run", "{model}", "-mec", "-3"], "slots must be whole numbers >= 0"),
-    (["run", "{model}", "-mec", "x"], "not a comma-separated list"),
+    (["run", "{model}", "-mec", "x"], "-1 (as many as the ledger allows) or auto"),
     (["run", "{model}", "-mec", "8", "--profile", "/no/such/profile"], "does not exist"),
     (["run", "{model}", "--rpc", "127.0.0.1:1", "-ngl", "99"], "unreachable"),
     (["run", "/no/such/model.gguf"], "does not exist"),

@@ -176,13 +176,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_command_prints_every_mode_per_slot_count(qwen3_model):
     result = run_cli(str(qwen3_model), "--profile", "rtx3090-pcie4", "-mec", "4,8")
     assert result.returncode == 0, result.stderr
-    for mode in ("stock", "copy", "hybrid", "merged-lru"):
+    for mode in ("stock", "copy", "hybrid", "merged-lru", "auto"):
         assert mode in result.stdout
     out = json.loads(run_cli(str(qwen3_model), "-mec", "4,8", "--json").stdout)
     assert out["schema"] == "pyllamapool.predict/1"
     assert [(r["mode"], r["slots"]) for r in out["rows"]][:4] == [("stock", 4), ("copy", 4), ("hybrid", 4),
                                                                  ("merged-lru", 4)]
-    assert len(out["rows"]) == 7
+    assert len(out["rows"]) == 9  # stock once, then copy, hybrid, merged-lru and auto at each slot count
 
 
 def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):
