@@ -19,7 +19,6 @@ which is exactly where auto has to stand down.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from upstream import check_run_args, open_model, relaunch_on_vulkan, run_args, spec  # noqa: E402
+from upstream import check_run_args, open_model, run_args, run_side_by_side, spec  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,17 +113,7 @@ def table(rows: list[dict], device: str) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device == "vulkan":
-        rc = relaunch_on_vulkan(__file__, argv)
-        if rc is not None:
-            return rc
-    rows = measure(args)
-    print(table(rows, args.device))
-    if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "tokens": args.tokens, "repeats": args.repeats,
-                                         "rows": rows}, indent=2) + "\n")
-    return 0
+    return run_side_by_side(__file__, parse_args(argv), argv, measure, table)
 
 
 if __name__ == "__main__":

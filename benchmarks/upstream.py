@@ -221,10 +221,11 @@ def plot(rows: list[dict], device: str, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run_side_by_side(script: str, args: argparse.Namespace, argv, measure, table, then=None) -> int:
+    """What each side-by-side benchmark's main does: on --device vulkan run `script` again with the
+    Vulkan build's libraries, else measure, print the table, write --json, then `then(rows)`."""
     if args.device == "vulkan":
-        rc = relaunch_on_vulkan(__file__, argv)
+        rc = relaunch_on_vulkan(script, argv)
         if rc is not None:
             return rc
     rows = measure(args)
@@ -232,9 +233,15 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "tokens": args.tokens, "repeats": args.repeats,
                                          "rows": rows}, indent=2) + "\n")
-    if args.plot:
-        plot(rows, args.device, args.plot)
+    if then is not None:
+        then(rows)
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return run_side_by_side(__file__, args, argv, measure, table,
+                            lambda rows: plot(rows, args.device, args.plot) if args.plot else None)
 
 
 if __name__ == "__main__":
