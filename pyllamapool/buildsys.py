@@ -157,10 +157,17 @@ def sanitize_flags(kind: str) -> list[str]:
     return flags + (["-DGGML_OPENMP=OFF"] if kind == "thread" else [])
 
 
+#: what a build holds (CMake's PYLLAMAPOOL_ONLY): everything, or only what the suite loads from a second
+#: build (sanitized, or Vulkan on lavapipe) beside the CPU one
+ONLY = ("all", "tests")
+
+
 def configure_target(target: str, arch: str | None = None, build_dir: Path | None = None,
-                     jobs: int | None = None, sanitize: str | None = None) -> BuildConfig:
+                     jobs: int | None = None, sanitize: str | None = None, only: str = "all") -> BuildConfig:
     backend, arch = parse_target(target, arch)
     arch = normalize_arch(backend, arch)
+    if only not in ONLY:
+        raise PyllamapoolError(f"--only {only}: expected one of {', '.join(ONLY)}")
     if jobs is not None and jobs < 1:
         raise PyllamapoolError(f"--jobs {jobs}: must be 1 or more")
     name = backend if not arch else f"{backend}-{arch.replace(';', '_')}"
@@ -170,7 +177,7 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
     cfg = BuildConfig(backend, arch, Path(build_dir) if build_dir else paths.default_build_dir(name),
                       jobs)
     cfg.cmake_flags = ["-DCMAKE_BUILD_TYPE=Release", "-DPYLLAMAPOOL_PREPARE=OFF",
-                       f"-DPYLLAMAPOOL_TARGET={backend}", "-DGGML_RPC=ON"]
+                       f"-DPYLLAMAPOOL_TARGET={backend}", "-DGGML_RPC=ON", f"-DPYLLAMAPOOL_ONLY={only}"]
     for tool, hint in (("cmake", "pip install cmake"), ("ninja", "pip install ninja")):
         if not _which(tool):
             cfg.problems.append(f"{tool} not found ({hint})")

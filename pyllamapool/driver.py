@@ -38,6 +38,11 @@ def make_parser(prog: str = "build.py") -> argparse.ArgumentParser:
                         help="a sanitized build: address (the default: AddressSanitizer + UndefinedBehaviorSanitizer, "
                              "folder build/<target>-sanitize) or thread (ThreadSanitizer, build/<target>-tsan); "
                              "install it with --prefix)")
+    parser.add_argument("--only", choices=buildsys.ONLY, default="all",
+                        help="all (the default): everything the package installs; tests: what the suite "
+                             "loads from a second build beside the CPU one (libraries, llama-quantize, "
+                             "ggml-rpc-server, the ctests), without llama-server, llama-cli, llama-bench and "
+                             "mtmd, which are most of the compile")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra CMake definition (repeatable), e.g. -D GGML_CUDA_FA=OFF to trim a build")
     parser.add_argument("--dry-run", action="store_true", help="print every command, change nothing")
@@ -61,7 +66,10 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
             problems = check_patches(pin, runner, source_path=args.source, footprints=footprints)
             for footprint in footprints:
                 console.print(footprint.line())
-                console.print("  " + ", ".join(footprint.upstream_files), highlight=False)
+                for path, lines in footprint.upstream:
+                    console.print(f"  {path}: {lines} lines changed", highlight=False)
+                for path, lines in footprint.new:
+                    console.print(f"  {path}: new, {lines} lines", highlight=False)
             if problems:
                 console.print("[red]check-patches failed:[/red]\n  " + "\n  ".join(problems))
                 return 1
@@ -74,7 +82,8 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
                     os.environ["Vulkan_INCLUDE_DIR"] = str(deps.include_dir)
                 for line in deps.done:
                     runner.note(f"vulkan: {line}")
-            cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs, args.sanitize)
+            cfg = buildsys.configure_target(args.target, args.arch, args.build_dir, args.jobs, args.sanitize,
+                                           args.only)
             for define in args.define:
                 if "=" not in define or not define.split("=", 1)[0]:
                     raise PyllamapoolError(f"--define {define!r}: expected KEY=VALUE")

@@ -296,17 +296,35 @@ def prepare(pin: Pin, runner: Runner, *, source_path: Path | None = None, reset:
 
 @dataclass(frozen=True)
 class StackFootprint:
-    """What one stack changes in upstream llama.cpp: files that exist in the pinned tree, and the lines
-    added plus removed in them (new files of our own are counted apart)."""
+    """What one stack changes in upstream llama.cpp: files that exist in the pinned tree, with the lines
+    added plus removed in each, and the new files of our own with their lines."""
     stack: str
     patches: int
-    upstream_files: tuple[str, ...]
-    upstream_lines: int
-    new_files: int
+    upstream: tuple[tuple[str, int], ...]   # (path, lines added + removed)
+    new: tuple[tuple[str, int], ...]        # (path, lines)
+
+    @property
+    def upstream_files(self) -> tuple[str, ...]:
+        return tuple(path for path, _ in self.upstream)
+
+    @property
+    def upstream_lines(self) -> int:
+        return sum(lines for _, lines in self.upstream)
+
+    @property
+    def new_files(self) -> int:
+        return len(self.new)
 
     def line(self) -> str:
-        return (f"{self.stack} stack: {self.patches} patches; {len(self.upstream_files)} upstream files, "
-                f"{self.upstream_lines} lines changed in them; {self.new_files} new files")
+        return (f"{self.stack} stack: {self.patches} patches; {len(self.upstream)} upstream files, "
+                f"{self.upstream_lines} lines changed in them; {self.new_files} new files, "
+                f"{sum(lines for _, lines in self.new)} lines")
+
+    def markdown(self) -> str:
+        """The stack's files as docs/patches.md's table: upstream files first, then new ones."""
+        rows = [f"| `{path}` | upstream | {lines} changed |" for path, lines in self.upstream]
+        rows += [f"| `{path}` | new | {lines} |" for path, lines in self.new]
+        return (f"{self.line()}\n\n| file | | lines |\n| --- | --- | ---: |\n" + "\n".join(rows) + "\n")
 
 
 def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
@@ -318,13 +336,12 @@ def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFo
         if not members:
             continue
         end = commits[series.names.index(members[-1])]
-        files, lines = [], 0
-        for row in git(tree, "diff", "--numstat", "--diff-filter=M", start, end, runner=runner).stdout.splitlines():
-            added, removed, path = row.split("\t", 2)
-            files.append(path)
-            lines += int(added) + int(removed)
-        new = git(tree, "diff", "--name-only", "--diff-filter=A", start, end, runner=runner).stdout.split()
-        out.append(StackFootprint(stack, len(members), tuple(files), lines, len(new)))
+
+        def numstat(kind: str) -> tuple[tuple[str, int], ...]:
+            rows = git(tree, "diff", "--numstat", f"--diff-filter={kind}", start, end, runner=runner).stdout
+            return tuple((path, int(added) + int(removed))
+                         for added, removed, path in (row.split("\t", 2) for row in rows.splitlines()))
+        out.append(StackFootprint(stack, len(members), numstat("M"), numstat("A")))
         start = end
     return out
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,17 @@ def test_cpu_target_always_has_the_rpc_backend():
     assert "-DGGML_RPC=ON" in cfg.cmake_flags
 
 
+def test_a_second_build_can_hold_only_what_the_suite_loads_from_it():
+    assert "-DPYLLAMAPOOL_ONLY=all" in buildsys.configure_target("cpu").cmake_flags
+    result = driver("--sanitize", "thread", "--only", "tests", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "-DPYLLAMAPOOL_ONLY=tests" in result.stderr and "-DLLAMA_SANITIZE_THREAD=ON" in result.stderr
+    result = driver("--only", "server", "--dry-run")
+    assert result.returncode == 2 and "--only: invalid choice: 'server'" in result.stderr
+    with pytest.raises(PyllamapoolError, match="--only server: expected one of all, tests"):
+        buildsys.configure_target("cpu", only="server")
+
+
 @pytest.mark.parametrize("target,arch,expected", [
     ("cuda", "86;90", "86;90"), ("cuda", "86,90", "86;90"), ("hip", "gfx906;gfx1100", "gfx906;gfx1100"),
     ("gfx906", None, "gfx906"),
@@ -229,6 +241,19 @@ def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_foot
                                          r"\(0003-llama-define-pool.patch\)"):
         export_patches(tree, root / "patches", runner)
     assert not (root / "patches" / "0004-ggml-later.patch").exists()
+
+
+def test_the_patch_page_lists_every_patch_and_what_each_stack_changes_as_check_patches_counts_it():
+    from pyllamapool.patches import stack_footprints
+
+    series = Series.load()
+    page = (ROOT / "docs" / "patches.md").read_text()
+    for name in series.names:
+        assert re.search(rf"^\| (ggml|llama) \| {name[:4]} \| ", page, re.M), name
+    if not (paths.vendor_dir() / ".git").exists():
+        pytest.skip("no vendor tree: python build.py prepare")
+    for footprint in stack_footprints(paths.vendor_dir(), series, Runner()):
+        assert footprint.markdown() in page, footprint.line()
 
 
 def test_applying_twice_is_a_no_op(fake_project):

@@ -1,8 +1,8 @@
 """The series under AddressSanitizer + UndefinedBehaviorSanitizer, and under ThreadSanitizer. Each needs
 its sanitized build beside the CPU one:
 
-    python build.py --target cpu --sanitize --prefix build/sanitize-install
-    python build.py --target cpu --sanitize thread --prefix build/tsan-install
+    python build.py --target cpu --sanitize --only tests --prefix build/sanitize-install
+    python build.py --target cpu --sanitize thread --only tests --prefix build/tsan-install
 
 (.ci/run makes both.) The ctest runs as built; pooled decode runs as a selection of the suite in a
 process of its own with the sanitized libraries (and their RPC server) loaded and the runtimes preloaded
@@ -30,10 +30,10 @@ TSAN_CTEST = ROOT / "build" / "cpu-tsan" / "bin" / "test-expert-pool"
 
 needs_asan = pytest.mark.skipif(
     not (SANITIZED_LIB / "libllama.so").exists(),
-    reason="no sanitized build: python build.py --target cpu --sanitize --prefix build/sanitize-install")
+    reason="no sanitized build: python build.py --target cpu --sanitize --only tests --prefix build/sanitize-install")
 needs_tsan = pytest.mark.skipif(
     not (TSAN_LIB / "libllama.so").exists(),
-    reason="no ThreadSanitizer build: python build.py --target cpu --sanitize thread --prefix build/tsan-install")
+    reason="no ThreadSanitizer build: python build.py --target cpu --sanitize thread --only tests --prefix build/tsan-install")
 
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", "WARNING: ThreadSanitizer")
 

@@ -1,7 +1,7 @@
 """The expert pool on a real GPU backend: ggml-vulkan on Mesa's lavapipe (GPU shaders, queues and buffers,
 run by the CPU). Needs the Vulkan build beside the CPU one:
 
-    python build.py --target vulkan --prefix build/vulkan-install
+    python build.py --target vulkan --only tests --prefix build/vulkan-install
 
 (.ci/run makes it.) Each check runs in a process of its own with that build loaded (tests/vulkan_worker.py)
 and compares pooled decode with the stock host-copy path on the same device, bit for bit.
@@ -21,7 +21,7 @@ VULKAN_LIB = ROOT / "build" / "vulkan-install" / "pyllamapool" / "lib"
 
 pytestmark = pytest.mark.skipif(
     not (VULKAN_LIB / "libllama.so").exists(),
-    reason="no Vulkan build: python build.py --target vulkan --prefix build/vulkan-install")
+    reason="no Vulkan build: python build.py --target vulkan --only tests --prefix build/vulkan-install")
 
 
 def on_vulkan(check: str, model: Path) -> dict:
