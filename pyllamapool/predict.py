@@ -12,6 +12,10 @@ The model counts, per decoded token, the work each mode puts on the critical pat
 - hybrid mode: per layer the device computes the hits while the CPU computes the misses; the slower
   side counts. Uploads are admission decisions taken off the critical path within a budget (a
   fraction of the token time), so they cost no token time but limit how fast the pool fills.
+- llama.cpp's cache as it stands after the pin (`lrfu`): the merged cache with its LRFU /
+  frequency-class eviction; `cpu-share`: the same with `--moe-cache-cpu-share F` at the best of the
+  shares its tuner tries, where the CPU computes a share of the misses beside the device (counted
+  overlapped with the device's side, which flatters it: the best case for the reference).
 - `-mec auto`: hybrid mode and the stock path, each step run by the side `-mec auto`'s arbiter picks
   from timed steps (`lab.arbiter` plays its rules over a reply of `arbiter.GENERATION` tokens): the
   faster side's time plus what probing the other one costs.
@@ -31,10 +35,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import PyllamapoolError
-from .lab import arbiter, policies, synth
+from .lab import arbiter, placement, policies, synth
 from .trace import Trace
 
-MODES = ("stock", "copy", "hybrid", "merged-lru", "auto")
+MODES = ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto")
+#: the product's default mode (`-mec N` alone)
+DEFAULT_MODE = "hybrid"
+#: the modes of llama.cpp's own cache, as merged (merged-lru) and as it stands since (lrfu, cpu-share)
+UPSTREAM_MODES = ("merged-lru", "lrfu", "cpu-share")
+#: the shares `--moe-cache-cpu-share` is tried at (upstream's tuner tries 3); the best one counts
+UPSTREAM_CPU_SHARES = (0.25, 0.5, 0.75)
 MIB = 1 << 20
 
 
@@ -275,6 +285,7 @@ class ModePrediction:
     parts_ms: dict[str, float]    # where the token's time goes
     cpu_experts: float            # expert computations on the CPU per token
     upload_mib: float             # bytes uploaded per token
+    setting: str = ""             # the setting a mode picked (cpu-share: the share)
 
 
 @dataclass
@@ -284,6 +295,14 @@ class Routing:
     n_expert: int
     top_k: int
     source: str
+    _replays: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def replayed(self, key: tuple, replay):
+        """A replay's result, computed once per key: the policies that ignore the machine's costs
+        give the same stats on every machine at a slot count."""
+        if key not in self._replays:
+            self._replays[key] = replay()
+        return self._replays[key]
 
     @classmethod
     def from_trace(cls, trace: Trace, source: str) -> "Routing":
@@ -327,31 +346,52 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
     n_slots = min(slots, g.n_expert)
     out: list[ModePrediction] = []
 
-    def row(mode: str, hit: float, parts: dict[str, float], cpu: float, up_bytes: float) -> None:
+    def row(mode: str, hit: float, parts: dict[str, float], cpu: float, up_bytes: float, setting: str = "") -> None:
         total = sum(parts.values())
         out.append(ModePrediction(mode, slots, total, 1000.0 / total if total else math.inf, hit,
-                                  {key: round(v, 3) for key, v in parts.items()}, cpu, up_bytes / MIB))
+                                  {key: round(v, 3) for key, v in parts.items()}, cpu, up_bytes / MIB, setting))
+
+    link = p.pcie_gb_s if pinned else p.pageable_gb_s
+
+    def merged_uploads(misses_per_layer: float, upload_share: float) -> float:
+        """ms per token of the merged cache's uploads: bytes, and a copy latency per tensor for each
+        layer with any upload (one merged copy per tensor; P(no upload in a layer) ~ (1 - share)^k)."""
+        copies = L * (1 - (1 - upload_share) ** k) * g.n_expert_tensors
+        return L * misses_per_layer * g.expert_bytes / link * 1e-6 + copies * p.copy_latency_us / 1000
 
     stock_parts = _parts_at_hit_rate(g, c, "stock", 0.0, k)
     for mode in modes:
         if mode == "stock" or n_slots == 0 or L == 0:
             row(mode, 0.0, stock_parts, L * k, 0.0)  # no pool: the stock path
         elif mode == "copy":
-            hit = hit_rate if hit_rate is not None else _rate(
-                [policies.adaptive(steps, n_slots, routing.n_expert) for steps in routing.layers])[0]
+            hit = hit_rate if hit_rate is not None else _rate(routing.replayed(("adaptive", n_slots), lambda: [
+                policies.adaptive(steps, n_slots, routing.n_expert) for steps in routing.layers]))[0]
             row("copy", hit, _parts_at_hit_rate(g, c, "copy", hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
         elif mode == "merged-lru":
             if hit_rate is not None:
                 hit = hit_rate
             else:
-                hit = policies.global_lru(routing.layers, n_slots * len(routing.layers)).hit_rate
+                hit = routing.replayed(("global-lru", n_slots), lambda: policies.global_lru(
+                    routing.layers, n_slots * len(routing.layers))).hit_rate
             misses = L * k * (1 - hit)
-            # one merged copy per tensor for a layer with any miss; P(no miss in a layer) ~ hit^k
-            merged_copies = L * (1 - hit ** k) * g.n_expert_tensors
-            link = p.pcie_gb_s if pinned else p.pageable_gb_s
-            uploads = misses * g.expert_bytes / link * 1e-6 + merged_copies * p.copy_latency_us / 1000
             row("merged-lru", hit, {"device": g.dense_ms, "device_experts": L * k * c.dev,
-                                    "uploads": uploads, "syncs": L * c.sync}, 0.0, misses * g.expert_bytes)
+                                    "uploads": merged_uploads(k * (1 - hit), 1 - hit), "syncs": L * c.sync},
+                0.0, misses * g.expert_bytes)
+        elif mode in ("lrfu", "cpu-share"):
+            candidates = []
+            for share in ((0.0,) if mode == "lrfu" else UPSTREAM_CPU_SHARES):
+                st = routing.replayed(("lrfu", n_slots, share), lambda: policies.lrfu(
+                    routing.layers, n_slots * len(routing.layers), cpu_share=share))
+                hit = st.hit_rate if hit_rate is None else hit_rate
+                on_cpu = st.cpu / st.lookups if st.lookups else 0.0
+                uploaded = max(0.0, 1 - hit - on_cpu)
+                # the device computes its hits and the uploads, the CPU its share beside it
+                device_side = k * (hit + uploaded) * c.dev + merged_uploads(k * uploaded, uploaded) / max(1, L)
+                parts = {"device": g.dense_ms, "experts_overlapped": L * max(device_side, k * on_cpu * c.cpu),
+                         "syncs": L * c.sync}
+                candidates.append((sum(parts.values()), hit, parts, L * k * on_cpu, L * k * uploaded, share))
+            _, hit, parts, cpu, uploaded, share = min(candidates, key=lambda x: x[0])
+            row(mode, hit, parts, cpu, uploaded * g.expert_bytes, f"cpu-share {share:g}" if mode == "cpu-share" else "")
         elif mode == "auto":
             pool = next((r for r in out if r.mode == "hybrid"), None) or \
                 predict(g, p, routing, slots, upload_frac, hit_rate, ("hybrid",), pinned)[0]
@@ -363,15 +403,51 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             row("auto", (1 - share) * pool.hit_rate, parts, share * L * k + (1 - share) * pool.cpu_experts,
                 (1 - share) * pool.upload_mib * MIB)
         elif mode == "hybrid":
-            # the budget: uploads that fit in upload_frac of a token (the stock token bounds it:
-            # hybrid is never slower than stock), spread over the layers' steps
-            per_step = upload_frac * sum(stock_parts.values()) / c.up / max(1, L)
-            payback = max(1.0, c.up / c.cpu)
+            per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
             stats = [policies.hybrid_admission(steps, n_slots, per_step, payback) for steps in routing.layers]
             hit, _, uploaded = _rate(stats)
             row("hybrid", hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
                 L * k * uploaded * g.expert_bytes)
     return out
+
+
+def _hybrid_budget(c: ExpertCosts, stock_parts: dict[str, float], upload_frac: float, L: int) -> tuple[float, float]:
+    """Hybrid admission's upload budget per layer step (the uploads that fit in upload_frac of a token;
+    the stock token bounds it, as hybrid is never slower than stock) and its pay-back in uses."""
+    return upload_frac * sum(stock_parts.values()) / c.up / max(1, L), max(1.0, c.up / c.cpu)
+
+
+#: the lab's per-miss placement (`lab.placement`), in the side-by-side table only: not in the engine yet
+PLACEMENT = "placement (lab)"
+
+
+def predict_placement(geometry: Geometry, profile: HardwareProfile, routing: Routing, slots: int,
+                      upload_frac: float = 0.25, pinned: bool = True) -> ModePrediction:
+    """What hybrid mode would reach with per-miss placement by cost (`lab.placement`): the device's
+    side is its hits plus the misses uploaded in their step (each an upload and a matmul), the CPU's
+    the rest, side by side."""
+    g, p = geometry, profile
+    L, k = g.n_host_layers, routing.lookups_per_layer_step()
+    c = expert_costs(g, p, pinned)
+    stock_parts = _parts_at_hit_rate(g, c, "stock", 0.0, k)
+    n_slots = min(slots, g.n_expert)
+    if n_slots == 0 or L == 0:
+        total = sum(stock_parts.values())
+        return ModePrediction(PLACEMENT, slots, total, 1000.0 / total, 0.0, stock_parts, L * k, 0.0)
+    per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
+    stats = [placement.cost_placement(steps, n_slots, c.cpu, c.dev, c.up, per_step, payback)
+             for steps in routing.layers]
+    lookups = sum(st.lookups for st in stats)
+    hit = sum(st.hits for st in stats) / lookups
+    now = sum(st.uploaded_now for st in stats) / lookups
+    on_cpu = sum(st.cpu for st in stats) / lookups
+    parts = {"device": g.dense_ms,
+             "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev), k * on_cpu * c.cpu),
+             "syncs": L * c.sync}
+    total = sum(parts.values())
+    uploaded = sum(st.uploads for st in stats) / lookups
+    return ModePrediction(PLACEMENT, slots, total, 1000.0 / total, hit, {key: round(v, 3) for key, v in parts.items()},
+                          L * k * on_cpu, L * k * uploaded * g.expert_bytes / MIB)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,19 +610,14 @@ def auto_cases(seed: int = 0) -> list[tuple[str, str, "Geometry", int, "Routing"
     machines = [(a.name, a.profile, _calibrated(a), a.measured[len(a.measured) // 2][0]) for a in ANCHORS]
     glm = next(m for m in machines if m[0] == "2x3090-glm53")
     machines.append(("2x3090-glm53 on an x4 eGPU", "rtx3090-egpu-x4", glm[2], glm[3]))
-    return [(name, prof, g, slots, Routing.from_preset(preset, seed), preset)
-            for name, prof, g, slots in machines for preset in synth.PRESETS]
+    routings = {preset: Routing.from_preset(preset, seed) for preset in synth.PRESETS}
+    return [(name, prof, g, slots, routings[preset], preset) for name, prof, g, slots in machines for preset in synth.PRESETS]
 
 
-@functools.lru_cache(maxsize=4)
 def auto_rows(seed: int = 0) -> tuple[dict, ...]:
     """Predicted t/s of stock, hybrid and `-mec auto` for each of `auto_cases`."""
-    rows = []
-    for name, prof, g, slots, routing, preset in auto_cases(seed):
-        m = {r.mode: r.tokens_per_s for r in predict(g, PROFILES[prof], routing, slots,
-                                                     modes=("stock", "hybrid", "auto"))}
-        rows.append({"machine": name, "slots": slots, "preset": preset, **m})
-    return tuple(rows)
+    return tuple({key: r[key] for key in ("machine", "slots", "preset", "stock", "hybrid", "auto")}
+                 for r in peers_rows(seed))
 
 
 def auto_markdown(seed: int = 0) -> str:
@@ -563,6 +634,45 @@ def auto_markdown(seed: int = 0) -> str:
         lines.append(f"| {key} | " + " | ".join(
             f"{row[p]['auto'] / row[p]['stock']:.2f}x ({row[p]['hybrid'] / row[p]['stock']:.2f}x)" for p in presets) +
             f" | {min(vs_best):.2f}-{max(vs_best):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+#: the side-by-side table's columns: ours, then llama.cpp's cache as merged and as it stands since
+PEER_COLUMNS = ("stock", "copy", "hybrid", "auto", "merged-lru", "lrfu", "cpu-share")
+
+
+@functools.lru_cache(maxsize=4)
+def peers_rows(seed: int = 0) -> tuple[dict, ...]:
+    """Predicted t/s of every mode, upstream's included, and the lab's per-miss placement, for each
+    of `auto_cases`; `best_other` is the fastest of stock, copy and upstream's modes, and `default` the
+    product's default mode."""
+    rows = []
+    for name, prof, g, slots, routing, preset in auto_cases(seed):
+        preds = predict(g, PROFILES[prof], routing, slots, modes=PEER_COLUMNS)
+        m = {r.mode: r.tokens_per_s for r in preds}
+        share = next(r.setting for r in preds if r.mode == "cpu-share")
+        others = ("stock", "copy", *UPSTREAM_MODES)
+        best = max(others, key=lambda mode: m[mode])
+        rows.append({"machine": name, "slots": slots, "preset": preset, **m, "cpu_share_setting": share,
+                     PLACEMENT: predict_placement(g, PROFILES[prof], routing, slots).tokens_per_s,
+                     "default": DEFAULT_MODE, "best_other": best})
+    return tuple(rows)
+
+
+def peers_markdown(seed: int = 0) -> str:
+    """Every mode side by side with llama.cpp's cache (Markdown): t/s as a multiple of stock per
+    machine and routing preset, the default against the best of stock, copy and upstream's modes,
+    and the lab's per-miss placement against the same."""
+    lines = ["| machine | slots | preset | " + " | ".join(PEER_COLUMNS) + f" | {PLACEMENT} | best other | "
+             f"{DEFAULT_MODE} / best other | placement / best other |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in PEER_COLUMNS) + " | ---: | --- | ---: | ---: |"]
+    for r in peers_rows(seed):
+        best = r[r["best_other"]]
+        cells = [f"{r[m] / r['stock']:.2f}x" for m in PEER_COLUMNS]
+        cells[PEER_COLUMNS.index("cpu-share")] += f" (F={r['cpu_share_setting'].split()[-1]})"
+        lines.append(f"| {r['machine']} | {r['slots']} | {r['preset']} | " + " | ".join(cells) +
+                     f" | {r[PLACEMENT] / r['stock']:.2f}x | {r['best_other']} | {r[DEFAULT_MODE] / best:.2f} | "
+                     f"{r[PLACEMENT] / best:.2f} |")
     return "\n".join(lines) + "\n"
 
 

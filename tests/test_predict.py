@@ -107,6 +107,71 @@ def test_the_merged_caches_global_lru_shares_its_slots_between_layers():
     assert shared.lookups == sum(policies.lru(steps, 24).lookups for steps in layers)
 
 
+def test_upstreams_lrfu_keeps_a_frequently_used_expert_through_a_scan_that_lru_lets_evict_it():
+    """Two entries, expert 0 every third token and a new expert on the others: LRU evicts 0 each time
+    two new experts come in; LRFU's frequency class keeps it once its score reaches 2 (class 1): after
+    its third use, as each use's 1 has decayed a little by the next."""
+    steps = [[0] if t % 3 == 0 else [100 + t] for t in range(300)]
+    lru, lrfu = policies.global_lru([steps], 2), policies.lrfu([steps], 2)
+    assert lru.hits == 0
+    assert lrfu.hits == 100 - 3
+    assert lrfu.hits + lrfu.misses == lrfu.lookups and lrfu.uploads == lrfu.misses and lrfu.cpu == 0
+
+
+def test_upstreams_cpu_share_sends_that_share_of_the_misses_to_the_cpu_once_the_cache_is_full():
+    trace = synth.generate("glm-chat-shift", 0, n_tokens=300)
+    layers = [policies.layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+    plain = policies.lrfu(layers, 32 * len(layers))
+    assert plain == policies.lrfu(layers, 32 * len(layers), cpu_share=0.0)
+    for share in (0.25, 0.5, 1.0):
+        s = policies.lrfu(layers, 32 * len(layers), cpu_share=share)
+        assert s.uploads + s.cpu == s.misses and s.hits + s.misses == s.lookups
+        after_full = s.misses - 32 * len(layers)  # the first misses fill the empty slots
+        assert s.cpu == pytest.approx(share * after_full, abs=1.0)
+    assert policies.lrfu(layers, 32 * len(layers), cpu_share=1.0).uploads == 32 * len(layers)
+    # room for everything: only first uses miss, nothing is evicted
+    everything = policies.lrfu(layers, len(layers) * trace.n_expert)
+    assert everything.misses == sum(len({e for step in steps for e in step}) for steps in layers)
+    assert everything.evictions == 0
+    with pytest.raises(ValueError, match="0 <= F <= 1"):
+        policies.lrfu(layers, 32, cpu_share=1.5)
+
+
+def test_per_miss_placement_uploads_misses_while_the_device_side_is_the_shorter_one():
+    from pyllamapool.lab.placement import cost_placement, uploads_now
+
+    assert uploads_now(0, 8, cpu_ms=1.0, dev_ms=0.1, up_ms=100.0) == 0   # a slow link: today's hybrid
+    assert uploads_now(0, 8, cpu_ms=1.0, dev_ms=0.01, up_ms=0.09) == 8   # a slow host: copy mode
+    # in between it evens the sides out: 2 hits + u uploads at 0.5 ms against (8 - u) misses at 1 ms
+    assert uploads_now(2, 8, cpu_ms=1.0, dev_ms=0.1, up_ms=0.4) == 5
+    steps = policies.layer_steps(synth.generate("glm-chat-shift", 0, n_tokens=300).ids, 0)
+    today = policies.hybrid_admission(steps, 32, 0.5, 2.0)
+    slow_link = cost_placement(steps, 32, 1.0, 0.1, 100.0, 0.5, 2.0)
+    assert slow_link == today and today.uploaded_now == 0 and today.cpu == today.misses
+    fast_link = cost_placement(steps, 32, 1.0, 0.01, 0.09, 0.5, 2.0)
+    assert fast_link.uploaded_now == fast_link.misses and fast_link.cpu == 0
+    assert fast_link.hit_rate > today.hit_rate
+
+
+def test_the_side_by_side_table_sets_every_mode_beside_upstreams_cache():
+    """Ours against llama.cpp's cache as merged and as it stands (LRFU, the CPU share at its best),
+    on every anchor's machine and preset: the default mode today, and the lab's per-miss placement,
+    each against the fastest of stock, copy and upstream's modes."""
+    rows = P.peers_rows()
+    assert len(rows) == (len(P.ANCHORS) + 1) * len(synth.PRESETS)
+    for r in rows:
+        others = [r[m] for m in ("stock", "copy", *P.UPSTREAM_MODES)]
+        assert r[r["best_other"]] == max(others) and r["default"] == "hybrid"
+        assert r["cpu-share"] >= r["lrfu"] or r["cpu_share_setting"] != "cpu-share 0"
+        # per-miss placement is never below today's hybrid, whose rule it contains
+        assert r[P.PLACEMENT] >= 0.98 * r["hybrid"], r
+    # where the host is slow and the link fast, hybrid falls behind; placement closes the gap
+    slow_host = [r for r in rows if r["machine"] == "4090-qwen38-curve"]
+    assert min(r["hybrid"] / r[r["best_other"]] for r in slow_host) < 0.7
+    assert min(r[P.PLACEMENT] / r[r["best_other"]] for r in slow_host) > 0.95
+    assert P.peers_markdown() in (ROOT / "docs" / "predict.md").read_text()
+
+
 def test_geometry_from_a_gguf_header(qwen3_model):
     prof = P.PROFILES["rtx3090-pcie4"]
     g = P.geometry_from_gguf(qwen3_model, prof)
@@ -176,13 +241,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_command_prints_every_mode_per_slot_count(qwen3_model):
     result = run_cli(str(qwen3_model), "--profile", "rtx3090-pcie4", "-mec", "4,8")
     assert result.returncode == 0, result.stderr
-    for mode in ("stock", "copy", "hybrid", "merged-lru", "auto"):
+    for mode in ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto"):
         assert mode in result.stdout
     out = json.loads(run_cli(str(qwen3_model), "-mec", "4,8", "--json").stdout)
     assert out["schema"] == "pyllamapool.predict/1"
     assert [(r["mode"], r["slots"]) for r in out["rows"]][:4] == [("stock", 4), ("copy", 4), ("hybrid", 4),
                                                                  ("merged-lru", 4)]
-    assert len(out["rows"]) == 9  # stock once, then copy, hybrid, merged-lru and auto at each slot count
+    assert len(out["rows"]) == 13  # stock once, then copy, hybrid, merged-lru, lrfu, cpu-share and auto at each
 
 
 def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):

@@ -6,6 +6,7 @@ runs on the CPU: a miss that copies nothing). Results count lookups, hits, misse
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -133,29 +134,38 @@ def second_touch(steps: Steps, n_slots: int, window: int = 8) -> PolicyStats:
 
 
 class _Residency:
-    """Which expert is in which slot; victims are the lowest key among slots unused this step,
+    """Which expert is in which slot; victims are the lowest score among slots unused this step,
     an empty slot first, ties to the lowest slot (the product's rule)."""
 
     def __init__(self, n_expert: int, n_slots: int):
         self.slot_of = [-1] * n_expert
-        self.expert_in = [-1] * n_slots
+        self.expert_in = np.full(n_slots, -1, dtype=np.int64)
 
-    def run(self, want: list[int], key: Callable[[int], tuple]) -> list[int]:
-        """Make every expert of the step resident; returns the ones uploaded (the misses)."""
-        pinned = {self.slot_of[e] for e in want if self.slot_of[e] >= 0}
-        uploaded: list[int] = []
-        for e in want:
-            if self.slot_of[e] >= 0:
-                continue
-            free = [s for s in range(len(self.expert_in)) if s not in pinned]
-            empty = [s for s in free if self.expert_in[s] < 0]
-            slot = empty[0] if empty else min(free, key=lambda s: (key(self.expert_in[s]), s))
-            if self.expert_in[slot] >= 0:
-                self.slot_of[self.expert_in[slot]] = -1
+    def run(self, want: list[int], score: np.ndarray) -> list[int]:
+        """Make every expert of the step resident (score: per expert, the lowest is evicted first);
+        returns the ones uploaded (the misses). Taking victims one miss at a time, each pinned once
+        taken, is taking the step's misses' worth of victims in one order: so it is sorted once."""
+        uploaded = [e for e in want if self.slot_of[e] < 0]
+        if not uploaded:
+            return uploaded
+        free = np.ones(len(self.expert_in), dtype=bool)
+        free[[self.slot_of[e] for e in want if self.slot_of[e] >= 0]] = False
+        slots = np.flatnonzero(free)
+        held = self.expert_in[slots]
+        keys = np.where(held < 0, -np.inf, score[np.maximum(held, 0)])
+        order = slots[np.lexsort((slots, keys))]
+        if len(uploaded) > len(order):
+            raise ValueError(f"a step of {len(want)} distinct experts does not fit {len(self.expert_in)} slots")
+        for e, slot in zip(uploaded, order.tolist()):
+            old = self.expert_in[slot]
+            if old >= 0:
+                self.slot_of[old] = -1
             self.expert_in[slot], self.slot_of[e] = e, slot
-            pinned.add(slot)
-            uploaded.append(e)
         return uploaded
+
+    @property
+    def n_empty(self) -> int:
+        return int((self.expert_in < 0).sum())
 
 
 @dataclass
@@ -173,9 +183,10 @@ def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookup
     runs as a shadow over the same steps; their miss tallies halve every duel_lookups x slots.
     With `record`, each step's slots, miss mask and leading rule are appended to it."""
     n_expert = n_expert or 1 + max((max(s) for s in steps if len(s)), default=0)
-    last = [0] * n_expert
-    count = [0] * n_expert
-    rules = [lambda e: (last[e],), lambda e: (count[e], last[e])]
+    last = np.zeros(n_expert)
+    count = np.zeros(n_expert, dtype=np.int64)
+    # the rules' keys as one score each: by use count (last use breaks ties: last <= len(steps)) or by last use
+    span = len(steps) + 1
     real = _Residency(n_expert, n_slots)
     shadows = [_Residency(n_expert, n_slots), _Residency(n_expert, n_slots)]
     shadow_misses = [0, 0]
@@ -184,7 +195,8 @@ def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookup
     for t, step in enumerate(steps, 1):
         want = _distinct(step)
         rule = 1 if shadow_misses[1] < shadow_misses[0] else 0
-        uploaded = real.run(want, rules[rule])
+        scores = (last, count * span + last)
+        uploaded = real.run(want, scores[rule])
         m = len(uploaded)
         if record is not None:
             record.append(PolicyStep([real.slot_of[e] for e in step], [e in uploaded for e in step], rule))
@@ -193,19 +205,18 @@ def adaptive(steps: Steps, n_slots: int, n_expert: int | None = None, age_lookup
         s.uploads += m
         s.hits += len(want) - m
         for i in (0, 1):
-            shadow_misses[i] += len(shadows[i].run(want, rules[i]))
-        for e in want:
-            last[e] = t
-            count[e] += 1
+            shadow_misses[i] += len(shadows[i].run(want, scores[i]))
+        last[want] = t
+        count[want] += 1
         since_age += len(want)
         since_duel += len(want)
         if since_age >= age_lookups * n_slots:
             since_age = 0
-            count[:] = [c >> 1 for c in count]
+            count >>= 1
         if since_duel >= duel_lookups * n_slots:
             since_duel = 0
             shadow_misses = [m >> 1 for m in shadow_misses]
-    s.evictions = s.misses - (n_slots - real.expert_in.count(-1))  # every other miss filled an empty slot
+    s.evictions = s.misses - (n_slots - real.n_empty)  # every other miss filled an empty slot
     return s
 
 
@@ -214,21 +225,20 @@ def recency(steps: Steps, n_slots: int, n_expert: int | None = None,
     """The product's LRU, re-derived: the victim is the expert used longest ago, and among experts
     last used in the same step, the one in the lowest slot."""
     n_expert = n_expert or 1 + max((max(s) for s in steps if len(s)), default=0)
-    last = [0] * n_expert
+    last = np.zeros(n_expert)
     real = _Residency(n_expert, n_slots)
     s = PolicyStats()
     for t, step in enumerate(steps, 1):
         want = _distinct(step)
-        uploaded = real.run(want, lambda e: (last[e],))
+        uploaded = real.run(want, last)
         if record is not None:
             record.append(PolicyStep([real.slot_of[e] for e in step], [e in uploaded for e in step], 0))
         s.lookups += len(want)
         s.misses += len(uploaded)
         s.uploads += len(uploaded)
         s.hits += len(want) - len(uploaded)
-        for e in want:
-            last[e] = t
-    s.evictions = s.misses - (n_slots - real.expert_in.count(-1))
+        last[want] = t
+    s.evictions = s.misses - (n_slots - real.n_empty)
     return s
 
 
@@ -242,13 +252,93 @@ def global_lru(layers: Sequence[Steps], n_slots_total: int) -> PolicyStats:
 
 
 @dataclass
+class SharedCacheStats(PolicyStats):
+    """A cache shared by every layer of a device: `cpu` counts misses the CPU computed (not uploaded)."""
+    cpu: int = 0
+
+
+#: upstream's LRFU policy (llama.cpp #31233): a recency-frequency score with this half-life in tokens,
+#: bucketed into this many frequency classes
+LRFU_HALF_LIFE = 128.0
+LRFU_CLASSES = 8
+
+
+def lrfu(layers: Sequence[Steps], n_slots_total: int, cpu_share: float = 0.0,
+         half_life: float = LRFU_HALF_LIFE, n_classes: int = LRFU_CLASSES) -> SharedCacheStats:
+    """llama.cpp's merged cache as it stands after the pin, re-derived from its release notes (not its
+    code): one cache over (layer, expert) for all layers of a device, evicting by frequency class and
+    then by recency. Each use adds 1 to an expert's score, which halves every `half_life` tokens; its
+    class is floor(log2(score)), capped at n_classes - 1; the victim is the lowest class's least
+    recently used entry that the step does not need. `cpu_share` is `--moe-cache-cpu-share F`: once the
+    cache is full the CPU computes a share F of the misses (spread evenly: every miss adds F to a
+    credit, and a whole credit sends that miss to the CPU), the device uploads the rest."""
+    if not 0.0 <= cpu_share <= 1.0:
+        raise ValueError(f"cpu_share {cpu_share}: accepted is 0 <= F <= 1")
+    n_tokens = min(len(steps) for steps in layers) if layers else 0
+    width = 1 + max((e for steps in layers for step in steps for e in step), default=0)
+    n = len(layers) * width
+    # per (layer, expert): log2 of the score at its last use, that use's token, a use counter for recency
+    log_score = np.full(n, -np.inf)
+    used_at = np.zeros(n)
+    recency = np.zeros(n)
+    resident = np.zeros(n, dtype=bool)
+    n_resident, credit, clock = 0, 0.0, 0
+    s = SharedCacheStats()
+    for t in range(n_tokens):
+        for li, steps in enumerate(layers):
+            want = [li * width + e for e in _distinct(steps[t])]
+            s.lookups += len(want)
+            missed = [key for key in want if not resident[key]]
+            s.hits += len(want) - len(missed)
+            s.misses += len(missed)
+            admit = []
+            for key in missed:
+                if n_resident + len(admit) >= n_slots_total:
+                    credit += cpu_share
+                    if credit >= 1.0:
+                        credit -= 1.0
+                        s.cpu += 1
+                        continue
+                admit.append(key)
+            # the step's evictions: the lowest classes, then the least recently used among equals
+            # (recency < 1 keeps the order inside a class); what the step uses is not a candidate
+            n_evict = max(0, n_resident + len(admit) - n_slots_total)
+            if n_evict:
+                klass = np.clip(np.floor(log_score - (t - used_at) / half_life), 0, n_classes - 1)
+                rank = np.where(resident, klass + recency / (clock + 1.0), np.inf)
+                rank[want] = np.inf
+                n_candidates = int(np.isfinite(rank).sum())
+                if n_candidates < n_evict:
+                    # the step needs more entries than the cache holds: the rest stay on the host
+                    s.cpu += n_evict - n_candidates
+                    admit = admit[:len(admit) - (n_evict - n_candidates)]
+                    n_evict = n_candidates
+                victims = np.argpartition(rank, n_evict - 1)[:n_evict] if n_evict else []
+                resident[victims] = False
+                n_resident -= n_evict
+                s.evictions += n_evict
+            resident[admit] = True
+            n_resident += len(admit)
+            s.uploads += len(admit)
+            for key in want:
+                now = 2.0 ** (log_score[key] - (t - used_at[key]) / half_life)
+                log_score[key] = math.log2(now + 1.0)
+                used_at[key] = t
+                clock += 1
+                recency[key] = clock
+    return s
+
+
+@dataclass
 class HybridStats(PolicyStats):
     """Hybrid mode: a miss runs on the CPU in its step; uploads are separate admission decisions."""
-    deferred: int = 0    # admitted (it would pay back) but over the upload budget
+    deferred: int = 0      # admitted (it would pay back) but over the upload budget
+    uploaded_now: int = 0  # misses uploaded in their own step for the device to compute (`now`)
+    cpu: int = 0           # misses the CPU computed
 
 
 def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback_uses: float,
-                     window: int = 16) -> PolicyStats:
+                     window: int = 16, now: Callable[[int, int], int] | None = None) -> HybridStats:
     """Hybrid admission over one layer. A miss runs on the CPU in its step; an upload happens off the
     critical path, within the upload budget (`upload_per_step` uploads per step, accumulated: a
     fraction of the token time over the upload time). An empty slot takes any missed expert. A full
@@ -256,6 +346,10 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
     used) only when the candidate's uses beat the victim's by `payback_uses` (the uses that save
     more CPU time than the upload costs: upload ms / CPU ms per expert), so churn cannot cost more
     than it saves. Admitted but over budget counts as `deferred`. The upload lands for the next step.
+
+    `now(hits, misses)` (`lab.placement`): how many of the step's misses, the most used lately, are
+    uploaded in the step for the device to compute, each taking the slot of the least used resident
+    the step does not need; None: none (today's rule).
     """
     resident: set[int] = set()
     recent: deque[list[int]] = deque(maxlen=window)
@@ -263,6 +357,10 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
     last: dict[int, int] = {}
     credit = 0.0
     s = HybridStats()
+
+    def key(c: int) -> tuple[int, int, int]:
+        return uses.get(c, 0), last.get(c, -1), c
+
     for t, step in enumerate(steps):
         want = _distinct(step)
         s.lookups += len(want)
@@ -276,20 +374,37 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
         for e in want:
             uses[e] = uses.get(e, 0) + 1
             last[e] = t
+        ranked = sorted(missed, key=lambda e: -uses[e])
+        n_now = now(len(want) - len(missed), len(missed)) if now is not None and missed else 0
+        if n_now:
+            room = max(0, n_slots - len(resident))
+            victims = heapq.nsmallest(max(0, n_now - room), (key(c) for c in resident if c not in want))
+            n_now = min(n_now, room + len(victims))
+            resident.difference_update(v[2] for v in victims)
+            s.evictions += len(victims)
+            resident.update(ranked[:n_now])
+            s.uploaded_now += n_now
+            s.uploads += n_now
+        s.cpu += len(missed) - n_now
         credit = min(credit + upload_per_step, max(1.0, upload_per_step))
-        for e in sorted(missed, key=lambda e: -uses[e]):
-            victim = None
+        # victims in key order; keys do not change while the step's uploads are decided
+        heap: list[tuple[int, int, int]] | None = None
+        for e in ranked[n_now:]:
             if len(resident) >= n_slots:
-                victim = min(resident, key=lambda c: (uses.get(c, 0), last.get(c, -1), c))
-                if uses[e] - uses.get(victim, 0) < payback_uses:
+                if heap is None:
+                    heap = [key(c) for c in resident]
+                    heapq.heapify(heap)
+                if uses[e] - heap[0][0] < payback_uses:
                     continue
             if credit < 1.0:
                 s.deferred += 1
                 continue
-            if victim is not None:
-                resident.remove(victim)
+            if len(resident) >= n_slots:
+                resident.remove(heapq.heappop(heap)[2])
                 s.evictions += 1
             resident.add(e)
+            if heap is not None:
+                heapq.heappush(heap, key(e))
             s.uploads += 1
             credit -= 1.0
     return s
