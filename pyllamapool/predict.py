@@ -45,6 +45,9 @@ DEFAULT_MODE = "hybrid"
 UPSTREAM_MODES = ("merged-lru", "lrfu", "cpu-share")
 #: the shares `--moe-cache-cpu-share` is tried at (upstream's tuner tries 3); the best one counts
 UPSTREAM_CPU_SHARES = (0.25, 0.5, 0.75)
+#: the lab's per-miss placement (`lab.placement`): a mode `predict` takes when asked, for the side-by-side
+#: table only, as it is not in the engine yet
+PLACEMENT = "placement (lab)"
 MIB = 1 << 20
 
 
@@ -337,7 +340,7 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
         raise PyllamapoolError(f"slots {slots}: must be 0 or more")
     if not 0 < upload_frac <= 1:
         raise PyllamapoolError(f"upload fraction {upload_frac}: accepted is 0 < f <= 1")
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in (*MODES, PLACEMENT)]
     if bad:
         raise PyllamapoolError(f"unknown mode {', '.join(bad)}; modes: {', '.join(MODES)}")
     g, p = geometry, profile
@@ -408,6 +411,20 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             hit, _, uploaded = _rate(stats)
             row("hybrid", hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
                 L * k * uploaded * g.expert_bytes)
+        elif mode == PLACEMENT:
+            # the device's side is its hits plus the misses uploaded in their step (each an upload and
+            # a matmul), the CPU's the rest, side by side
+            per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
+            stats = [placement.cost_placement(steps, n_slots, c.cpu, c.dev, c.up, per_step, payback)
+                     for steps in routing.layers]
+            hit, _, uploaded = _rate(stats)
+            lookups = sum(st.lookups for st in stats)
+            now = sum(st.uploaded_now for st in stats) / lookups
+            on_cpu = sum(st.cpu for st in stats) / lookups
+            row(PLACEMENT, hit, {"device": g.dense_ms, "syncs": L * c.sync,
+                                 "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev),
+                                                               k * on_cpu * c.cpu)},
+                L * k * on_cpu, L * k * uploaded * g.expert_bytes)
     return out
 
 
@@ -415,39 +432,6 @@ def _hybrid_budget(c: ExpertCosts, stock_parts: dict[str, float], upload_frac: f
     """Hybrid admission's upload budget per layer step (the uploads that fit in upload_frac of a token;
     the stock token bounds it, as hybrid is never slower than stock) and its pay-back in uses."""
     return upload_frac * sum(stock_parts.values()) / c.up / max(1, L), max(1.0, c.up / c.cpu)
-
-
-#: the lab's per-miss placement (`lab.placement`), in the side-by-side table only: not in the engine yet
-PLACEMENT = "placement (lab)"
-
-
-def predict_placement(geometry: Geometry, profile: HardwareProfile, routing: Routing, slots: int,
-                      upload_frac: float = 0.25, pinned: bool = True) -> ModePrediction:
-    """What hybrid mode would reach with per-miss placement by cost (`lab.placement`): the device's
-    side is its hits plus the misses uploaded in their step (each an upload and a matmul), the CPU's
-    the rest, side by side."""
-    g, p = geometry, profile
-    L, k = g.n_host_layers, routing.lookups_per_layer_step()
-    c = expert_costs(g, p, pinned)
-    stock_parts = _parts_at_hit_rate(g, c, "stock", 0.0, k)
-    n_slots = min(slots, g.n_expert)
-    if n_slots == 0 or L == 0:
-        total = sum(stock_parts.values())
-        return ModePrediction(PLACEMENT, slots, total, 1000.0 / total, 0.0, stock_parts, L * k, 0.0)
-    per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
-    stats = [placement.cost_placement(steps, n_slots, c.cpu, c.dev, c.up, per_step, payback)
-             for steps in routing.layers]
-    lookups = sum(st.lookups for st in stats)
-    hit = sum(st.hits for st in stats) / lookups
-    now = sum(st.uploaded_now for st in stats) / lookups
-    on_cpu = sum(st.cpu for st in stats) / lookups
-    parts = {"device": g.dense_ms,
-             "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev), k * on_cpu * c.cpu),
-             "syncs": L * c.sync}
-    total = sum(parts.values())
-    uploaded = sum(st.uploads for st in stats) / lookups
-    return ModePrediction(PLACEMENT, slots, total, 1000.0 / total, hit, {key: round(v, 3) for key, v in parts.items()},
-                          L * k * on_cpu, L * k * uploaded * g.expert_bytes / MIB)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -648,13 +632,11 @@ def peers_rows(seed: int = 0) -> tuple[dict, ...]:
     product's default mode."""
     rows = []
     for name, prof, g, slots, routing, preset in auto_cases(seed):
-        preds = predict(g, PROFILES[prof], routing, slots, modes=PEER_COLUMNS)
+        preds = predict(g, PROFILES[prof], routing, slots, modes=(*PEER_COLUMNS, PLACEMENT))
         m = {r.mode: r.tokens_per_s for r in preds}
         share = next(r.setting for r in preds if r.mode == "cpu-share")
-        others = ("stock", "copy", *UPSTREAM_MODES)
-        best = max(others, key=lambda mode: m[mode])
+        best = max(("stock", "copy", *UPSTREAM_MODES), key=lambda mode: m[mode])
         rows.append({"machine": name, "slots": slots, "preset": preset, **m, "cpu_share_setting": share,
-                     PLACEMENT: predict_placement(g, PROFILES[prof], routing, slots).tokens_per_s,
                      "default": DEFAULT_MODE, "best_other": best})
     return tuple(rows)
 
