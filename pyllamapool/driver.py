@@ -67,9 +67,11 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
             for footprint in footprints:
                 console.print(footprint.line())
                 for path, lines in footprint.upstream:
-                    console.print(f"  {path}: {lines} lines changed", highlight=False)
+                    console.print(f"  {path}: {lines} lines changed", highlight=False, soft_wrap=True)
                 for path, lines in footprint.new:
-                    console.print(f"  {path}: new, {lines} lines", highlight=False)
+                    longest = footprint.longest_in(path)
+                    console.print(f"  {path}: new, {lines} lines" + (f"; longest function {longest}" if longest else ""),
+                                  highlight=False, soft_wrap=True)
             if problems:
                 console.print("[red]check-patches failed:[/red]\n  " + "\n  ".join(problems))
                 return 1

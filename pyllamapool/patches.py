@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths, source
+from . import paths, source, sourcesize
 from .errors import PatchError
 from .pin import Pin
 from .runner import Runner
@@ -302,6 +302,7 @@ class StackFootprint:
     patches: int
     upstream: tuple[tuple[str, int], ...]   # (path, lines added + removed)
     new: tuple[tuple[str, int], ...]        # (path, lines)
+    longest: tuple[tuple[str, str, int], ...] = ()  # new C/C++ files: (path, longest function, its lines)
 
     @property
     def upstream_files(self) -> tuple[str, ...]:
@@ -315,6 +316,10 @@ class StackFootprint:
     def new_files(self) -> int:
         return len(self.new)
 
+    def longest_in(self, path: str) -> str:
+        """`name (N lines)` for a new source file's longest function, else empty."""
+        return next((f"{name} ({lines})" for p, name, lines in self.longest if p == path), "")
+
     def line(self) -> str:
         return (f"{self.stack} stack: {self.patches} patches; {len(self.upstream)} upstream files, "
                 f"{self.upstream_lines} lines changed in them; {self.new_files} new files, "
@@ -322,9 +327,11 @@ class StackFootprint:
 
     def markdown(self) -> str:
         """The stack's files as docs/patches.md's table: upstream files first, then new ones."""
-        rows = [f"| `{path}` | upstream | {lines} changed |" for path, lines in self.upstream]
-        rows += [f"| `{path}` | new | {lines} |" for path, lines in self.new]
-        return (f"{self.line()}\n\n| file | | lines |\n| --- | --- | ---: |\n" + "\n".join(rows) + "\n")
+        rows = [f"| `{path}` | upstream | {lines} changed | |" for path, lines in self.upstream]
+        rows += [f"| `{path}` | new | {lines} | {self.longest_in(path)} |".replace("|  |", "| |")
+                 for path, lines in self.new]
+        return (f"{self.line()}\n\n| file | | lines | longest function (lines) |\n| --- | --- | ---: | --- |\n"
+                + "\n".join(rows) + "\n")
 
 
 def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
@@ -341,7 +348,14 @@ def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFo
             rows = git(tree, "diff", "--numstat", f"--diff-filter={kind}", start, end, runner=runner).stdout
             return tuple((path, int(added) + int(removed))
                          for added, removed, path in (row.split("\t", 2) for row in rows.splitlines()))
-        out.append(StackFootprint(stack, len(members), numstat("M"), numstat("A")))
+        new = numstat("A")
+        longest = []
+        for path, _ in new:
+            if sourcesize.is_source(path):
+                found = sourcesize.longest_function(git(tree, "show", f"{end}:{path}", runner=runner).stdout)
+                if found:
+                    longest.append((path, found.name, found.lines))
+        out.append(StackFootprint(stack, len(members), numstat("M"), new, tuple(longest)))
         start = end
     return out
 

@@ -218,7 +218,7 @@ def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_foot
     runner = Runner()
     tree = prepare(pin, runner, source_path=src, root=root)
     (tree / "ggml").mkdir()
-    commit_in(tree, "ggml/new.c", "int g;\n", "ggml : a new file\n\nWhy: tests.")
+    commit_in(tree, "ggml/new.c", "int g(void) {\n    return 1;\n}\n", "ggml : a new file\n\nWhy: tests.")
     commit_in(tree, "include/llama.h", "int llama(void);\nint pool(void);\n", "llama : declare pool\n\nWhy: tests.")
     commit_in(tree, "src/llama.cpp", "int llama(void) { return 2; }\nint pool(void) { return 0; }\n",
               "llama : define pool\n\nWhy: tests.")
@@ -230,6 +230,7 @@ def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_foot
     assert check_patches(pin, runner, source_path=src, root=root, footprints=footprints) == []
     ggml, llama = footprints
     assert (ggml.stack, ggml.patches, ggml.upstream_files, ggml.new_files) == ("ggml", 1, (), 1)
+    assert ggml.longest == (("ggml/new.c", "g", 3),) and "| `ggml/new.c` | new | 3 | g (3) |" in ggml.markdown()
     assert (llama.stack, llama.patches, llama.upstream_files) == ("llama", 2, ("include/llama.h", "src/llama.cpp"))
     # lines added plus removed: one added to the header; in the source one removed, two added
     assert llama.upstream_lines == 1 + 3
@@ -583,3 +584,40 @@ def test_the_build_shows_files_compiled_of_total_in_a_terminal_and_is_quiet_in_a
     assert "compile" in text and "3/3" in text and "llama-file-" in text  # the step, files of total, the file
     piped = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert piped.returncode == 0 and "3/3" not in piped.stdout + piped.stderr
+
+
+def test_check_patches_measures_each_function_a_new_source_file_defines():
+    """The longest function of a new file is what a reviewer must read in one go: namespaces, macros,
+    comments and strings holding braces, initializers and member functions are told apart."""
+    from pyllamapool.sourcesize import functions, longest_function
+
+    text = (
+        '#define CHECK(c) do { if (!(c)) { \\\n'
+        '    abort(); } } while (0)\n'
+        'namespace {\n'
+        'static const int table[] = { 1, 2, 3 };\n'
+        'struct pool {\n'
+        '    int size() const { return n; }\n'
+        '    int n = 0;\n'
+        '};\n'
+        '}\n'
+        'static int\n'
+        'count(const char * s, int limit = 3) {\n'
+        '    // a comment with a brace {\n'
+        '    const char * brace = "}";\n'
+        '    auto f = [&](int x) { return x + limit; };\n'
+        '    if (s) {\n'
+        '        return f(1);\n'
+        '    }\n'
+        '    return 0;\n'
+        '}\n'
+        'pool::pool(int n) : n(n) {\n'
+        '}\n'
+        'pool & pool::operator=(const pool & o) {\n'
+        '    return *this;\n'
+        '}\n')
+    found = functions(text)
+    assert [(f.name, f.first_line, f.lines) for f in found] == [
+        ("size", 6, 1), ("count", 10, 10), ("pool::pool", 20, 2), ("pool::operator=", 22, 3)]
+    assert longest_function(text).name == "count"
+    assert longest_function("int x;\n") is None
