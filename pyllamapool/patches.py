@@ -327,11 +327,12 @@ class StackFootprint:
 
     def markdown(self) -> str:
         """The stack's files as docs/patches.md's table: upstream files first, then new ones."""
-        rows = [f"| `{path}` | upstream | {lines} changed | |" for path, lines in self.upstream]
-        rows += [f"| `{path}` | new | {lines} | {self.longest_in(path)} |".replace("|  |", "| |")
-                 for path, lines in self.new]
-        return (f"{self.line()}\n\n| file | | lines | longest function (lines) |\n| --- | --- | ---: | --- |\n"
-                + "\n".join(rows) + "\n")
+        def row(*cells: str) -> str:
+            return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+        rows = [row(f"`{path}`", "upstream", f"{lines} changed", "") for path, lines in self.upstream]
+        rows += [row(f"`{path}`", "new", str(lines), self.longest_in(path)) for path, lines in self.new]
+        return "\n".join([self.line(), "", row("file", "", "lines", "longest function (lines)"),
+                          "| --- | --- | ---: | --- |", *rows, ""])
 
 
 def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:

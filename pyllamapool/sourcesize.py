@@ -1,9 +1,9 @@
 """How long the functions of a C or C++ file are, for check-patches' tables: a reviewer reads a
 function in one sitting or not at all.
 
-A scanner, not a parser: preprocessor lines, comments and literals are blanked, then braces are followed. A brace opens a
-function body where the text before it holds a parameter list and no `=` outside parentheses (which
-would make it an initializer); namespaces and `extern "C"` blocks are transparent; struct, class,
+A scanner, not a parser: preprocessor lines, comments and literals are blanked, then braces are
+followed. A brace opens a function body where the text before it holds a parameter list and no `=`
+outside parentheses (which would make it an initializer); namespaces and `extern "C"` blocks are transparent; struct, class,
 union and enum bodies are searched for the member functions defined in them. Lambdas and other blocks
 inside a function count towards that function.
 """
@@ -32,8 +32,8 @@ def is_source(path: str) -> bool:
 
 
 def _blank(match: re.Match) -> str:
-    """A preprocessor line, comment or literal becomes spaces, keeping its newlines so line numbers stay right; a string
-    keeps its quotes (so `extern "C"` is still recognisable)."""
+    """A preprocessor line, comment or literal becomes spaces, keeping its newlines so line numbers
+    stay right; a string keeps its quotes (so `extern "C"` is still recognisable)."""
     text = match.group(0)
     body = re.sub(r"[^\n]", " ", text)
     return ('"' + body[1:-1] + '"') if text.startswith('"') else body
@@ -72,10 +72,10 @@ def functions(text: str) -> list[Function]:
     found: list[Function] = []
     stack: list[tuple[str, str | None, int]] = []  # (kind, function name, first line)
     header, header_line, line = "", 0, 1
+    in_function = False  # functions do not nest: a brace inside one is one of its blocks
     for ch in clean:
         if ch == "\n":
             line += 1
-        in_function = any(kind == "fn" for kind, _, _ in stack)
         if ch == "{":
             if in_function:
                 stack.append(("block", None, line))
@@ -86,12 +86,14 @@ def functions(text: str) -> list[Function]:
             else:
                 name = _function_name(header)
                 stack.append(("fn", name, header_line) if name else ("block", None, line))
+                in_function = name is not None
             header = ""
         elif ch == "}":
             if stack:
                 kind, name, first = stack.pop()
                 if kind == "fn":
                     found.append(Function(name, first, line - first + 1))
+                    in_function = False
             header = ""
         elif ch == ";" and not in_function:
             header = ""
