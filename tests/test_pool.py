@@ -998,6 +998,51 @@ def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses(qwen3_model, rpc_ser
     assert (ids < 0).sum() * per_layer == c.hits > 0
 
 
+def test_a_hybrid_layer_holding_every_expert_runs_copy_modes_graph(qwen3_model, rpc_server, stream):
+    """A pool with a slot for every expert: hybrid splits a layer's steps until its last upload has
+    landed; then the CPU has nothing left and the layer runs copy mode's graph (slot ids, the pooled
+    matmuls alone) for good. The logits stay the resident run's, and a token then waits for the
+    device as often as in copy mode."""
+    reference = resident_run(qwen3_model, rpc_server, stream, n_prompt=1)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    full = dict(slots=SPEC.n_expert, device_mib=65536, upload_frac=0)
+    steps: list[dict[int, str]] = []  # per step: layer -> the graph's id tensor for it
+
+    def seen(name, _):
+        kind, il = name.rsplit("-", 1)
+        if il == "0":  # layers run in order: layer 0 starts a step
+            steps.append({})
+        steps[-1][int(il)] = kind
+
+    ctx = Context(model, pool=PoolConfig(mode="hybrid", **full), observer=seen,
+                  observe=lambda n: n.startswith(("ffn_moe_hybrid_cpu_ids-", "ffn_moe_pool_slots-")))
+    result = run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:], keep_logits=True)
+    c = ctx.pool_counters()
+    n_pools = len(ctx.pool_report(per_pool=True).pools)
+    ctx.close()
+    assert identical(result, reference)
+    assert len(steps) == len(stream)  # the prompt's step and one per teacher token
+    for il in range(SPEC.n_layer):
+        kinds = [step[il] for step in steps]
+        switch = kinds.index("ffn_moe_pool_slots") if "ffn_moe_pool_slots" in kinds else len(kinds)
+        assert 0 < switch < len(kinds), f"layer {il} never held every expert: {kinds}"
+        assert set(kinds[:switch]) == {"ffn_moe_hybrid_cpu_ids"} and set(kinds[switch:]) == {"ffn_moe_pool_slots"}
+    # the CPU computed the misses, all before the switch; every expert was uploaded once into a slot
+    # of its own, those no step had asked for too, and none was evicted
+    assert c.cpu_experts == c.misses > 0 and c.evictions == 0
+    assert c.uploads == SPEC.n_expert * n_pools
+
+    # the last token's waits, without an observer (which adds its own)
+    waits = {}
+    for mode in ("hybrid", "copy"):
+        ctx = Context(model, pool=PoolConfig(mode=mode, **full))
+        assert identical(run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:], keep_logits=True), reference)
+        waits[mode] = ctx.host_syncs()
+        ctx.close()
+    model.close()
+    assert 0 < waits["hybrid"] == waits["copy"], waits
+
+
 def test_hybrid_with_fused_gate_up_experts_is_bit_identical(archs_model, rpc_server, tmp_path):
     """qwen35moe ships ffn_gate_up_exps (one pooled tensor for gate and up, split by views on both
     sides) and shared experts; test-llama-archs gives it optional scales, dropped here so that its
