@@ -128,12 +128,15 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     if pool is not None:
         c = ctx.pool_counters()
         pool_bytes = sum(r.pool for r in ctx.memory())
-        row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024, pool_bytes=pool_bytes, pool_mib=pool_bytes / 2**20)
+        per_layer = len(ctx.pool_report(per_pool=True).pools) // spec().n_layer  # gate, up, down: a lookup each
+        row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024, pool_bytes=pool_bytes, pool_mib=pool_bytes / 2**20,
+                   cpu=c.cpu_experts / per_layer / n, placed=c.placed / per_layer / n)
         ctx.close()
     else:
         ctx.close()
         stats = ctx.moe_cache_stats()
-        row.update(hit=stats.hit_rate if stats else 0.0,
+        row.update(cpu=float(spec().n_layer * spec().n_expert_used) if not stats else 0.0, placed=0.0,
+                   hit=stats.hit_rate if stats else 0.0,
                    kib=stats.uploaded_mib * 1024 / n if stats else 0.0,
                    pool_mib=stats.size_mib if stats else 0.0)
     row["logits"] = result.logits

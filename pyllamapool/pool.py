@@ -34,12 +34,17 @@ MODES = {"copy": 1, "hybrid": 2}
 #: how misses' bytes reach the slots, by C API code (enum llama_moe_pool_uploads): "stream" (pinned
 #: staging and an upload queue of its own, where the device has events) or "inline" (the compute queue)
 UPLOAD_PATHS = {"inline": 1, "stream": 2}
+#: hybrid mode, where a step's misses are computed, by C API code (enum llama_moe_pool_placement_type):
+#: "cost" (a share is uploaded for the device to compute in the step, by measured cost), "cpu" (the CPU
+#: computes them all) or "device" (every miss a slot can take is uploaded in its step, as copy mode does)
+PLACEMENTS = {"cost": 1, "cpu": 2, "device": 3}
 #: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
 ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL_CAP_MIB",
                "device_mib": "LLAMA_MOE_POOL_DEVICE_MIB", "profile": "LLAMA_MOE_POOL_PROFILE",
                "policy": "LLAMA_MOE_POOL_POLICY", "gate": "LLAMA_MOE_POOL_GATE", "mode": "LLAMA_MOE_POOL_MODE",
                "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH",
-               "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB"}
+               "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB",
+               "placement": "LLAMA_MOE_POOL_PLACEMENT"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -72,6 +77,11 @@ def mode_code(mode: str | int) -> int:
 def uploads_code(uploads: str | int) -> int:
     """The C API code of an upload path given by name or code."""
     return _code("uploads", uploads, UPLOAD_PATHS)
+
+
+def placement_code(placement: str | int) -> int:
+    """The C API code of a hybrid placement rule given by name or code."""
+    return _code("placement", placement, PLACEMENTS)
 
 
 def _check_whole(name: str, value, minimum: int, expected: str) -> None:
@@ -123,6 +133,10 @@ class PoolConfig:
         and copied on an upload queue of their own, a slot read only after its copy ran) or "inline"
         (copies on the compute queue from wherever the bytes are; LLAMA_MOE_POOL_UPLOADS).
     staging_mib: the stream path's pinned staging per device (default 64, LLAMA_MOE_POOL_STAGING_MIB).
+    placement: hybrid mode, where a step's misses are computed: "cost" (the default: as many are
+        uploaded for the device to compute in the step as make its side no longer than the CPU's, from
+        the measured upload and CPU costs), "cpu" (the CPU computes every miss) or "device" (every miss a
+        slot can take is uploaded in its step, as copy mode does; LLAMA_MOE_POOL_PLACEMENT).
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -137,6 +151,7 @@ class PoolConfig:
     reserve_mib: int | None = None
     uploads: str | None = None
     staging_mib: int | None = None
+    placement: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -184,6 +199,8 @@ class PoolConfig:
         _check_whole("reserve_mib", self.reserve_mib, 0, "expected a whole number of MiB >= 0")
         if self.uploads is not None:
             uploads_code(self.uploads)
+        if self.placement is not None:
+            placement_code(self.placement)
         _check_whole("staging_mib", self.staging_mib, 1, "it must be a whole number of MiB >= 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
@@ -250,6 +267,8 @@ class PoolConfig:
             params.uploads = uploads_code(config.uploads)
         if config.staging_mib is not None:
             params.staging_mib = config.staging_mib
+        if config.placement is not None:
+            params.placement = placement_code(config.placement)
         params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
@@ -292,7 +311,7 @@ class PoolCounters:
     gated_steps: int = 0     # steps (per pool, as lookups) the closed gate sent to the stock path
     gate_closures: int = 0
     device_experts: int = 0  # expert computations on the device (copy mode: every lookup)
-    cpu_experts: int = 0     # hybrid mode: expert computations on the CPU (the misses)
+    cpu_experts: int = 0     # hybrid mode: expert computations on the CPU (the misses not placed)
     uploads: int = 0         # experts uploaded into slots (copy_bytes are their bytes)
     deferred: int = 0        # hybrid mode: admitted experts whose upload waited for the budget
     syncs: int = 0           # times the host waited for a device in the steps that used the pool
@@ -311,6 +330,9 @@ class PoolCounters:
     #: the pool was stood down after it had been the faster side (per context)
     stood_down_steps: int = 0
     stand_downs: int = 0
+    #: hybrid mode: misses uploaded in their own step for the device to compute (placement "cost";
+    #: counted in uploads and device_experts, not in cpu_experts)
+    placed: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -392,7 +414,7 @@ def _counters_from_c(c) -> PoolCounters:
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
                         c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
                         c.prefill_host_bytes, c.block_us, c.uploads_in_flight, c.stood_down_steps,
-                        c.stand_downs)
+                        c.stand_downs, c.placed)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

@@ -45,9 +45,9 @@ DEFAULT_MODE = "hybrid"
 UPSTREAM_MODES = ("merged-lru", "lrfu", "cpu-share")
 #: the shares `--moe-cache-cpu-share` is tried at (upstream's tuner tries 3); the best one counts
 UPSTREAM_CPU_SHARES = (0.25, 0.5, 0.75)
-#: the lab's per-miss placement (`lab.placement`): a mode `predict` takes when asked, for the side-by-side
-#: table only, as it is not in the engine yet
-PLACEMENT = "placement (lab)"
+#: hybrid with the CPU computing every miss (`placement=cpu`, the rule before placement by cost): a mode
+#: `predict` takes when asked, for the side-by-side table
+HYBRID_CPU = "hybrid-cpu"
 MIB = 1 << 20
 
 
@@ -340,7 +340,7 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
         raise PyllamapoolError(f"slots {slots}: must be 0 or more")
     if not 0 < upload_frac <= 1:
         raise PyllamapoolError(f"upload fraction {upload_frac}: accepted is 0 < f <= 1")
-    bad = [m for m in modes if m not in (*MODES, PLACEMENT)]
+    bad = [m for m in modes if m not in (*MODES, HYBRID_CPU)]
     if bad:
         raise PyllamapoolError(f"unknown mode {', '.join(bad)}; modes: {', '.join(MODES)}")
     g, p = geometry, profile
@@ -405,25 +405,27 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
                      for key in {**stock_parts, **pool.parts_ms}}
             row("auto", (1 - share) * pool.hit_rate, parts, share * L * k + (1 - share) * pool.cpu_experts,
                 (1 - share) * pool.upload_mib * MIB)
-        elif mode == "hybrid":
+        elif mode == HYBRID_CPU:
             per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
             stats = [policies.hybrid_admission(steps, n_slots, per_step, payback) for steps in routing.layers]
             hit, _, uploaded = _rate(stats)
-            row("hybrid", hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
+            row(HYBRID_CPU, hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
                 L * k * uploaded * g.expert_bytes)
-        elif mode == PLACEMENT:
-            # the device's side is its hits plus the misses uploaded in their step (each an upload and
-            # a matmul), the CPU's the rest, side by side
+        elif mode == "hybrid":
+            # placement by cost, as the engine decides it: per step, misses are uploaded for the device
+            # while its side (the uploads) is shorter than the CPU's (the rest); the engine leaves the
+            # device's matmuls out of that choice (dev_ms 0), and the time counts them. The two sides
+            # run side by side
             per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
-            stats = [placement.cost_placement(steps, n_slots, c.cpu, c.dev, c.up, per_step, payback)
+            stats = [placement.cost_placement(steps, n_slots, c.cpu, 0.0, c.up, per_step, payback)
                      for steps in routing.layers]
             hit, _, uploaded = _rate(stats)
             lookups = sum(st.lookups for st in stats)
             now = sum(st.uploaded_now for st in stats) / lookups
             on_cpu = sum(st.cpu for st in stats) / lookups
-            row(PLACEMENT, hit, {"device": g.dense_ms, "syncs": L * c.sync,
-                                 "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev),
-                                                               k * on_cpu * c.cpu)},
+            row("hybrid", hit, {"device": g.dense_ms, "syncs": L * c.sync,
+                                "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev),
+                                                              k * on_cpu * c.cpu)},
                 L * k * on_cpu, L * k * uploaded * g.expert_bytes)
     return out
 
@@ -627,12 +629,12 @@ PEER_COLUMNS = ("stock", "copy", "hybrid", "auto", "merged-lru", "lrfu", "cpu-sh
 
 @functools.lru_cache(maxsize=4)
 def peers_rows(seed: int = 0) -> tuple[dict, ...]:
-    """Predicted t/s of every mode, upstream's included, and the lab's per-miss placement, for each
-    of `auto_cases`; `best_other` is the fastest of stock, copy and upstream's modes, and `default` the
-    product's default mode."""
+    """Predicted t/s of every mode, upstream's included, and hybrid with the CPU computing every miss,
+    for each of `auto_cases`; `best_other` is the fastest of stock, copy and upstream's modes, and
+    `default` the product's default mode."""
     rows = []
     for name, prof, g, slots, routing, preset in auto_cases(seed):
-        preds = predict(g, PROFILES[prof], routing, slots, modes=(*PEER_COLUMNS, PLACEMENT))
+        preds = predict(g, PROFILES[prof], routing, slots, modes=(*PEER_COLUMNS, HYBRID_CPU))
         m = {r.mode: r.tokens_per_s for r in preds}
         share = next(r.setting for r in preds if r.mode == "cpu-share")
         best = max(("stock", "copy", *UPSTREAM_MODES), key=lambda mode: m[mode])
@@ -644,17 +646,17 @@ def peers_rows(seed: int = 0) -> tuple[dict, ...]:
 def peers_markdown(seed: int = 0) -> str:
     """Every mode side by side with llama.cpp's cache (Markdown): t/s as a multiple of stock per
     machine and routing preset, the default against the best of stock, copy and upstream's modes,
-    and the lab's per-miss placement against the same."""
-    lines = ["| machine | slots | preset | " + " | ".join(PEER_COLUMNS) + f" | {PLACEMENT} | best other | "
-             f"{DEFAULT_MODE} / best other | placement / best other |",
+    and hybrid with the CPU computing every miss against the same."""
+    lines = ["| machine | slots | preset | " + " | ".join(PEER_COLUMNS) + f" | {HYBRID_CPU} | best other | "
+             f"{DEFAULT_MODE} / best other | {HYBRID_CPU} / best other |",
              "| --- | ---: | --- | " + " | ".join("---:" for _ in PEER_COLUMNS) + " | ---: | --- | ---: | ---: |"]
     for r in peers_rows(seed):
         best = r[r["best_other"]]
         cells = [f"{r[m] / r['stock']:.2f}x" for m in PEER_COLUMNS]
         cells[PEER_COLUMNS.index("cpu-share")] += f" (F={r['cpu_share_setting'].split()[-1]})"
         lines.append(f"| {r['machine']} | {r['slots']} | {r['preset']} | " + " | ".join(cells) +
-                     f" | {r[PLACEMENT] / r['stock']:.2f}x | {r['best_other']} | {r[DEFAULT_MODE] / best:.2f} | "
-                     f"{r[PLACEMENT] / best:.2f} |")
+                     f" | {r[HYBRID_CPU] / r['stock']:.2f}x | {r['best_other']} | {r[DEFAULT_MODE] / best:.2f} | "
+                     f"{r[HYBRID_CPU] / best:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -887,14 +887,16 @@ def test_hybrid_keeps_two_sequences_per_batch_bit_identical(qwen3_model, rpc_ser
         assert np.array_equal(ra, ga) and np.array_equal(rb, gb)
 
 
-def test_without_a_budget_hybrid_admits_what_copy_mode_admits(qwen3_model, rpc_server, stream):
+@pytest.mark.parametrize("placement", ["cpu", "device"])
+def test_without_a_budget_hybrid_admits_what_copy_mode_admits(qwen3_model, rpc_server, stream, placement):
     """The same policy sees the same steps: an expert copy mode copies in before its matmul, hybrid
-    computes on the CPU and uploads after, so the counts agree; hybrid's misses are CPU work. (A
-    one-token prompt: no prefill, so no warm start, which copy mode does not have.)"""
+    computes on the CPU and uploads after (placement cpu), or uploads in the step for the device to
+    compute (placement device), so the counts agree. (A one-token prompt: no prefill, so no warm
+    start, which copy mode does not have.)"""
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     _, copy_report, _, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="copy"), n_prompt=1)
     _, hyb_report, status, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
-                                                               upload_frac=0), n_prompt=1)
+                                                               upload_frac=0, placement=placement), n_prompt=1)
     model.close()
     assert status.mode == "hybrid"
     a, b = copy_report.counters, hyb_report.counters
@@ -903,16 +905,41 @@ def test_without_a_budget_hybrid_admits_what_copy_mode_admits(qwen3_model, rpc_s
     # copy mode: the device computes every expert and every miss is an upload; hybrid: the CPU
     # computes the misses
     assert (a.device_experts, a.cpu_experts, a.uploads) == (a.lookups, 0, a.misses)
-    assert (b.device_experts, b.cpu_experts, b.uploads, b.deferred) == (b.hits, b.misses, b.misses, 0)
+    if placement == "cpu":
+        assert (b.device_experts, b.cpu_experts, b.uploads, b.deferred, b.placed) == (b.hits, b.misses, b.misses, 0, 0)
+    else:
+        # every miss fits a slot (six slots, top-4, one token): the device computes it in its step
+        assert (b.device_experts, b.cpu_experts, b.uploads, b.deferred, b.placed) == (b.lookups, 0, b.misses, 0,
+                                                                                      b.misses)
+
+
+@pytest.mark.parametrize("placement", ["cost", "device"])
+def test_misses_placed_on_the_device_keep_hybrid_bit_identical(qwen3_model, rpc_server, stream, placement):
+    """Placement changes where a miss is computed, never what: with misses uploaded in their own step
+    for the device (every one that fits, or as many as the measured costs ask for) and slots turning
+    over, the logits stay the resident run's, and the runtime line counts the placed misses."""
+    reference = resident_run(qwen3_model, rpc_server, stream)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    result, report, _, lines = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
+                                                               placement=placement))
+    model.close()
+    c = report.counters
+    assert identical(result, reference)
+    assert c.evictions > 0 and c.placed <= c.misses and c.device_experts == c.hits + c.placed
+    if placement == "device":
+        assert c.placed > 0
+    runtime = next(l for l in lines if l.startswith("expert pool runtime"))
+    assert f"placed={c.placed} " in runtime, runtime
 
 
 def test_the_upload_budget_defers_uploads_and_parity_holds(qwen3_model, rpc_server, stream):
     """A budget of 1% of a token admits fewer uploads than misses: the rest wait (deferred) and
-    the CPU keeps computing them, bit-identically. (A one-token prompt: no warm start.)"""
+    the CPU keeps computing them, bit-identically. (A one-token prompt: no warm start; placement cpu,
+    so that no miss is uploaded in its own step.)"""
     reference = resident_run(qwen3_model, rpc_server, stream, n_prompt=1)
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     result, report, status, lines = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
-                                                                    upload_frac=0.01), n_prompt=1)
+                                                                    upload_frac=0.01, placement="cpu"), n_prompt=1)
     model.close()
     c = report.counters
     assert identical(result, reference)
@@ -934,7 +961,7 @@ def test_hybrid_uploads_only_experts_that_pay_back(qwen3_model, rpc_server, stre
     runs = {}
     for frac in (0.0, 1.0):
         result, report, _, _ = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid",
-                                                               upload_frac=frac), n_prompt=1)
+                                                               upload_frac=frac, placement="cpu"), n_prompt=1)
         assert identical(result, reference), f"upload_frac={frac} changed the logits"
         runs[frac] = report.counters
     model.close()
@@ -978,12 +1005,15 @@ def test_the_pool_mode_is_hybrid_by_default_and_copy_comes_from_the_config_or_th
         PoolConfig(slots=8, mode="fast").validate()
 
 
-def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses(qwen3_model, rpc_server, stream):
+@pytest.mark.parametrize("placement", ["cpu", "cost", "device"])
+def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses_not_placed(qwen3_model, rpc_server, stream, placement):
     """The CPU side's ids, seen in the graph: an entry the device's slots hold is skipped (-1), every
-    other one is computed on the CPU, and those are exactly the pool's misses."""
+    other one is computed on the CPU, and those are exactly the pool's misses that were not placed on
+    the device (placement cpu: all of them; device: none, every miss fits the slots here; cost: what
+    the measured costs give)."""
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     seen: list[np.ndarray] = []
-    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"),
+    ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid", placement=placement),
                   observe=lambda n: n.startswith("ffn_moe_hybrid_cpu_ids"), observer=lambda n, a: seen.append(a.copy()))
     # one-token steps: each entry is a distinct expert of its step, as the counters count them
     run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:40])
@@ -994,8 +1024,14 @@ def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses(qwen3_model, rpc_ser
     per_layer = len(report.pools) // SPEC.n_layer  # gate, up and down count each lookup
     ids = np.concatenate([a.ravel() for a in seen])
     assert len(seen) == c.steps * SPEC.n_layer  # one table lookup per pooled layer and step
-    assert (ids >= 0).sum() * per_layer == c.misses > 0
-    assert (ids < 0).sum() * per_layer == c.hits > 0
+    assert (ids >= 0).sum() * per_layer == c.cpu_experts == c.misses - c.placed
+    assert (ids < 0).sum() * per_layer == c.device_experts == c.hits + c.placed
+    assert c.hits > 0 and c.misses > 0 and c.device_experts + c.cpu_experts == c.lookups
+    assert c.placed <= c.uploads
+    if placement == "cpu":
+        assert c.placed == 0
+    elif placement == "device":
+        assert c.placed == c.misses
 
 
 def test_a_hybrid_layer_holding_every_expert_runs_copy_modes_graph(qwen3_model, rpc_server, stream):
@@ -1005,7 +1041,7 @@ def test_a_hybrid_layer_holding_every_expert_runs_copy_modes_graph(qwen3_model, 
     device as often as in copy mode."""
     reference = resident_run(qwen3_model, rpc_server, stream, n_prompt=1)
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
-    full = dict(slots=SPEC.n_expert, device_mib=65536, upload_frac=0)
+    full = dict(slots=SPEC.n_expert, device_mib=65536, upload_frac=0, placement="cpu")
     steps: list[dict[int, str]] = []  # per step: layer -> the graph's id tensor for it
 
     def seen(name, _):

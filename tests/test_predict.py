@@ -155,8 +155,8 @@ def test_per_miss_placement_uploads_misses_while_the_device_side_is_the_shorter_
 
 def test_the_side_by_side_table_sets_every_mode_beside_upstreams_cache():
     """Ours against llama.cpp's cache as merged and as it stands (LRFU, the CPU share at its best),
-    on every anchor's machine and preset: the default mode today, and the lab's per-miss placement,
-    each against the fastest of stock, copy and upstream's modes."""
+    on every anchor's machine and preset: the default mode (hybrid, misses placed by cost), and hybrid
+    with the CPU computing every miss, each against the fastest of stock, copy and upstream's modes."""
     rows = P.peers_rows()
     assert len(rows) == (len(P.ANCHORS) + 1) * len(synth.PRESETS)
     for r in rows:
@@ -164,12 +164,16 @@ def test_the_side_by_side_table_sets_every_mode_beside_upstreams_cache():
         assert r[r["best_other"]] == max(others) and r["default"] == "hybrid"
         # the CPU share is the best of the shares the tuner tries, and names the one it picked
         assert r["cpu_share_setting"] in {f"cpu-share {f:g}" for f in P.UPSTREAM_CPU_SHARES}
-        # per-miss placement is never below today's hybrid, whose rule it contains
-        assert r[P.PLACEMENT] >= 0.98 * r["hybrid"], r
-    # where the host is slow and the link fast, hybrid falls behind; placement closes the gap
+        # placement by cost contains the CPU rule (no upload pays): it is never far below it. It can be
+        # a little below: a placed miss takes the slot of a resident that would have paid back later
+        assert r["hybrid"] >= 0.96 * r[P.HYBRID_CPU], r
+    # where the host is slow and the link fast, the CPU rule falls behind; placement closes most of the gap
     slow_host = [r for r in rows if r["machine"] == "4090-qwen38-curve"]
-    assert min(r["hybrid"] / r[r["best_other"]] for r in slow_host) < 0.7
-    assert min(r[P.PLACEMENT] / r[r["best_other"]] for r in slow_host) > 0.95
+    assert min(r[P.HYBRID_CPU] / r[r["best_other"]] for r in slow_host) < 0.7
+    assert min(r["hybrid"] / r[r["best_other"]] for r in slow_host) > 0.93
+    # where the link is slow nothing is placed: the two rules are the same
+    slow_link = [r for r in rows if r["machine"] == "2x3090-glm53 on an x4 eGPU"]
+    assert all(r["hybrid"] == pytest.approx(r[P.HYBRID_CPU], rel=1e-12) for r in slow_link)
     assert P.peers_markdown() in (ROOT / "docs" / "predict.md").read_text()
 
 
