@@ -1034,6 +1034,23 @@ def test_in_hybrid_mode_the_cpu_computes_exactly_the_misses_not_placed(qwen3_mod
         assert c.placed == c.misses
 
 
+def test_a_layer_made_resident_by_placed_misses_keeps_its_counts_in_copy_modes_graph(qwen3_model, rpc_server,
+                                                                                    stream):
+    """A full pool whose misses are all placed on the device: once a layer runs copy mode's graph, its
+    steps count every expert a hit again (the last split's placed misses are not carried over), the
+    hits by batch size stay within the lookups, and the logits stay the resident run's."""
+    reference = resident_run(qwen3_model, rpc_server, stream, n_prompt=1)
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    result, report, _, _ = decode(model, stream, PoolConfig(slots=SPEC.n_expert, device_mib=65536, upload_frac=0,
+                                                           placement="device"), n_prompt=1)
+    model.close()
+    c = report.counters
+    assert identical(result, reference)
+    assert c.placed == c.misses > 0 and c.cpu_experts == 0 and c.evictions == 0
+    assert all(h <= n for h, n in zip(c.batch_hits, c.batch_lookups))
+    assert sum(c.batch_hits) == c.hits and sum(c.batch_lookups) == c.lookups
+
+
 def test_a_hybrid_layer_holding_every_expert_runs_copy_modes_graph(qwen3_model, rpc_server, stream):
     """A pool with a slot for every expert: hybrid splits a layer's steps until its last upload has
     landed; then the CPU has nothing left and the layer runs copy mode's graph (slot ids, the pooled
