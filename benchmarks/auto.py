@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from upstream import check_run_args, open_model, run_args, run_side_by_side, spec  # noqa: E402
+from upstream import check_run_args, open_model, run_args, run_side_by_side, same_logits, spec  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,8 +57,6 @@ def one_run(model, stream, pool) -> dict:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    import numpy as np
-
     from pyllamapool.pool import PoolConfig
     from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
 
@@ -88,8 +86,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             rows.append(row)
         reference = rows[0]["logits"]
         for r in rows:
-            r["parity"] = len(r["logits"]) == len(reference) and all(
-                np.array_equal(a, b) for a, b in zip(r["logits"], reference))
+            r["parity"] = same_logits(r["logits"], reference)
             del r["logits"]
     finally:
         model.close()

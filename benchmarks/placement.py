@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from upstream import check_run_args, one_run, open_model, run_args, run_side_by_side, spec  # noqa: E402
+from upstream import check_run_args, one_run, open_model, run_args, run_side_by_side, same_logits, spec  # noqa: E402
 
 #: (design, pool mode, placement)
 DESIGNS = (("copy", "copy", None), ("hybrid, placement cpu", "hybrid", "cpu"),
@@ -37,8 +37,6 @@ def parse_args(argv=None):
 
 
 def measure(args) -> list[dict]:
-    import numpy as np
-
     from pyllamapool.pool import PoolConfig
     from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
 
@@ -66,8 +64,7 @@ def measure(args) -> list[dict]:
                            vs_cpu=statistics.median(r["tps"] / c["tps"] for r, c in
                                                     zip(runs[name], runs["hybrid, placement cpu"])),
                            vs_stock=statistics.median(r["tps"] / c["tps"] for r, c in zip(runs[name], runs["stock"])),
-                           parity=len(first["logits"]) == len(reference) and
-                           all(np.array_equal(a, b) for a, b in zip(first["logits"], reference)))
+                           parity=same_logits(first["logits"], reference))
                 rows.append(row)
     finally:
         model.close()

@@ -110,6 +110,12 @@ def relaunch_on_vulkan(script: str, argv) -> int | None:
                           env=env).returncode
 
 
+def same_logits(a: list, b: list) -> bool:
+    """Two runs' logits are bit-identical, step by step (and they ran as many steps)."""
+    import numpy as np
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     """One context, prompt then teacher-forced decode; what it did and its logits."""
     from pyllamapool.decode import run_context
@@ -177,7 +183,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         reference = rows[0]["logits"]
         for r in rows:
             same_steps = len(r["logits"]) == len(reference)
-            r["parity"] = same_steps and all(np.array_equal(a, b) for a, b in zip(r["logits"], reference))
+            r["parity"] = same_logits(r["logits"], reference)
             r["max_abs_diff"] = float(max(np.max(np.abs(a - b)) for a, b in zip(r["logits"], reference))) \
                 if same_steps else float("inf")
         for r in rows:
