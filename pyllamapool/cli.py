@@ -119,6 +119,9 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
         p.add_argument("--rail-mib", type=_mib, help="VRAM held back from the pool (default 2879, floor 1024)")
         p.add_argument("--cap-mib", type=_mib, help="absolute cap on pool bytes (MiB)")
         p.add_argument("--profile", type=_existing_file, help="per-layer weights file (blk.<layer> <weight>)")
+        p.add_argument("--hotset", metavar="FILE",
+                       help="hot set file: start with the experts an earlier run used most, and write this "
+                            "run's back at exit (LLAMA_MOE_POOL_HOTSET)")
     from .pool import GATES, MODES, POLICY_KINDS
     several = " (comma-separated values are swept)" if sweepable else ""
     p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
@@ -150,7 +153,7 @@ def _pool_config(args):
         raise PyllamapoolError("--policy, --gate and --mode take one value here (lists are for `sweep`)")
     return PoolConfig(slots=slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib, device_mib=_device_mib(args),
                       profile=args.profile, policy=args.policy[0], gate=args.gate[0], mode=args.mode[0],
-                      upload_frac=args.upload_frac)
+                      upload_frac=args.upload_frac, hotset=getattr(args, "hotset", None))
 
 
 def _offload(args, **over):

@@ -44,7 +44,7 @@ ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL
                "policy": "LLAMA_MOE_POOL_POLICY", "gate": "LLAMA_MOE_POOL_GATE", "mode": "LLAMA_MOE_POOL_MODE",
                "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH",
                "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB",
-               "placement": "LLAMA_MOE_POOL_PLACEMENT"}
+               "placement": "LLAMA_MOE_POOL_PLACEMENT", "hotset": "LLAMA_MOE_POOL_HOTSET"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -137,6 +137,10 @@ class PoolConfig:
         uploaded for the device to compute in the step as make its side no longer than the CPU's, from
         the measured upload and CPU costs), "cpu" (the CPU computes every miss) or "device" (every miss a
         slot can take is uploaded in its step, as copy mode does; LLAMA_MOE_POOL_PLACEMENT).
+    hotset: a hot set file (LLAMA_MOE_POOL_HOTSET): each layer's most used experts, one section per
+        model and slot count. The context starts with its section's experts in the slots (a missing
+        file or section: a cold start) and, once its pool served a step, merges this run's uses back
+        into the file when it is freed.
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -152,6 +156,7 @@ class PoolConfig:
     uploads: str | None = None
     staging_mib: int | None = None
     placement: str | None = None
+    hotset: str | Path | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -204,6 +209,12 @@ class PoolConfig:
         _check_whole("staging_mib", self.staging_mib, 1, "it must be a whole number of MiB >= 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
+        if self.hotset is not None:
+            # a file that does not exist yet is this run's to write; its folder must be there
+            where = Path(self.hotset)
+            if str(self.hotset) == "" or where.is_dir() or not where.resolve().parent.is_dir():
+                raise PoolConfigError(f"hotset {str(self.hotset)!r} is invalid: expected a file path in an "
+                                      "existing folder")
 
     def with_environment(self, environ=None) -> "PoolConfig":
         """This config with the fields left at None taken from the environment (ENVIRONMENT), as
@@ -245,7 +256,7 @@ class PoolConfig:
             params.n_device_mib = len(sizes)
             for i, v in enumerate(sizes):
                 params.device_mib[i] = v
-        for name, value in (("profile", config.profile), ("model_path", model_path)):
+        for name, value in (("profile", config.profile), ("hotset", config.hotset), ("model_path", model_path)):
             if value is not None:
                 text = ffi.new("char[]", str(value).encode())
                 keep.append(text)

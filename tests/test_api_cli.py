@@ -145,6 +145,7 @@ def test_every_command_has_help(command):
     (["run", "{model}", "-mec", "-3"], "slots must be whole numbers >= 0"),
     (["run", "{model}", "-mec", "x"], "-1 (as many as the ledger allows) or auto"),
     (["run", "{model}", "-mec", "8", "--profile", "/no/such/profile"], "does not exist"),
+    (["run", "{model}", "-mec", "8", "--hotset", "/no/such/folder/hot.txt"], "expected a file path in an existing folder"),
     (["run", "{model}", "--rpc", "127.0.0.1:1", "-ngl", "99"], "unreachable"),
     (["run", "/no/such/model.gguf"], "does not exist"),
     (["plan", "{model}", "-mec", "8", "--device-mib", "0"], "must be 1 or more"),
@@ -171,6 +172,19 @@ def test_run_prints_pool_lines_and_json(qwen3_model, rpc_server):
     data = json.loads(result.stdout)
     assert len(data["tokens"]) == 8
     assert data["pool"]["status"]["enabled"] and data["pool"]["counters"]["lookups"] > 0
+
+
+def test_run_with_a_hot_set_writes_it_and_the_next_run_starts_from_it(qwen3_model, rpc_server, tmp_path):
+    hot = tmp_path / "hot.txt"
+    argv = ("run", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
+            "--device-mib", "65536", "--tokens", "1,2,3", "-n", "8", "--hotset", str(hot))
+    first = cli(*argv)
+    assert first.returncode == 0, first.stderr
+    assert "expert pool hotset=cold reason=no-file" in first.stdout + first.stderr
+    assert hot.read_text().count("[hotset model=") == 1
+    second = cli(*argv)
+    assert second.returncode == 0, second.stderr
+    assert "expert pool hotset=loaded" in second.stdout + second.stderr
 
 
 def test_plan_command_prints_the_status_line_and_a_layer_table(qwen3_model):

@@ -146,3 +146,37 @@ def test_staging_smaller_than_a_step_waits_for_its_copies_and_stays_bit_identica
     assert status.uploads == "stream" and small_report.counters.uploads > 0
     assert identical(small, ref), f"{mode}: reused staging changed the logits"
     assert small_report.counters.syncs > roomy_report.counters.syncs, (small_report.counters, roomy_report.counters)
+
+
+
+@pytest.mark.parametrize("uploads", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, stream, tmp_path, mode, expert_type,
+                                                                   uploads):
+    """A context's warm start uploads a hot set file's experts while it is created. Here the file
+    holds exactly what the first token selects, so that step uploads nothing and waits for no copy of
+    its own: its matmuls (and, in hybrid mode, its slot table) must still find the bytes there,
+    including experts read from the model file into staging where the CPU repacked the host copy."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
+    config = pool(slots=6, mode=mode, uploads=uploads, hotset=tmp_path / "hot.txt")
+    first = Context(model, pool=config)
+    first.decode([stream[0]])
+    first.close()  # the file: the first token's experts, per layer
+    ctx = Context(model, pool=config)
+    ctx.decode([stream[0]])
+    c = ctx.pool_counters()
+    logits = [ctx.logits()]
+    for tok in stream[1:]:
+        ctx.decode([tok])
+        logits.append(ctx.logits())
+    status = ctx.pool_status()
+    ctx.close()
+    model.close()
+    assert c.lookups > 0 and c.misses == 0 and c.uploads == 0  # the premise: a first step of hits only
+    assert any(line.startswith("expert pool hotset=loaded") for line in ctx.pool_lines())
+    assert status.enabled and status.mode == mode and status.uploads == uploads
+    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
+        f"{mode} {expert_type} {uploads}: the warm start changed the logits"

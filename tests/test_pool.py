@@ -1238,3 +1238,81 @@ def test_auto_is_only_a_slot_count_of_its_own(qwen3_model):
     result = subprocess.run([str(tool_path("llama-server")), "-m", str(qwen3_model), "-mec", "auto,8"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "invalid slot count 'auto'" in result.stderr + result.stdout
+
+
+
+def hot_run(model: Model, stream, pool: PoolConfig):
+    """A teacher-forced run of 17 one-token steps: (hits of the first, every step's logits, the pool
+    lines). The first step's hits are what the pool held before any step ran."""
+    ctx = Context(model, pool=pool)
+    ctx.decode([stream[0]])
+    hits = ctx.pool_counters().hits
+    logits = [ctx.logits()]
+    for tok in stream[1:17]:
+        ctx.decode([tok])
+        logits.append(ctx.logits())
+    ctx.close()
+    return hits, logits, ctx.pool_lines()
+
+
+def hot_lines(lines) -> list[str]:
+    return [line for line in lines if line.startswith("expert pool hotset=")]
+
+
+@pytest.mark.parametrize("mode", ["copy", "hybrid"])
+def test_a_hot_set_file_warm_starts_the_next_run_bit_identically(qwen3_model, rpc_server, stream, tmp_path, mode):
+    """The first run starts cold and writes each layer's most used experts at teardown; the next
+    starts with them in its slots (its first step hits where the first run's missed), computes the
+    same logits, and merges its own uses into the file."""
+    path = tmp_path / "hot.txt"
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    pool = PoolConfig(mode=mode, slots=6, device_mib=65536, hotset=path)
+    cold_hits, cold, cold_lines = hot_run(model, stream, pool)
+    assert hot_lines(cold_lines)[0].startswith("expert pool hotset=cold reason=no-file")
+    assert cold_hits == 0
+    text = path.read_text()
+    header = re.search(r"^\[hotset model=(\S+) slots=(\d+)\]$", text, re.M)
+    assert header and header.group(1).startswith("qwen3moe/") and int(header.group(2)) == 4 * 6
+    layers = re.findall(r"^blk\.(\d+) (.*)$", text, re.M)
+    assert [int(il) for il, _ in layers] == [0, 1, 2, 3]
+    uses = [[int(item.split(":")[1]) for item in rest.split()] for _, rest in layers]
+    assert all(u == sorted(u, reverse=True) and len(u) >= 6 for u in uses)  # most used first
+    assert sum(uses[0]) == 17 * SPEC.n_expert_used  # every selection of every pooled step
+
+    warm_hits, warm, warm_lines = hot_run(model, stream, pool)
+    model.close()
+    loaded = hot_lines(warm_lines)[0]
+    assert loaded.startswith("expert pool hotset=loaded") and " layers=4 experts=24 " in loaded
+    assert warm_hits > 0
+    assert len(warm) == len(cold) and all(np.array_equal(a, b) for a, b in zip(warm, cold))
+    again = [[int(item.split(":")[1]) for item in rest.split()]
+             for _, rest in re.findall(r"^blk\.(\d+) (.*)$", path.read_text(), re.M)]
+    assert sum(again[0]) == sum(uses[0]) + sum(u // 2 for u in uses[0])  # this run's, plus the last halved
+    assert hot_lines(warm_lines)[-1].startswith("expert pool hotset=saved")
+
+
+def test_a_hot_set_file_keeps_other_models_sections_and_reports_what_it_skipped(qwen3_model, rpc_server, stream,
+                                                                                 tmp_path, monkeypatch, caplog):
+    """One file serves several models: another model's section is left as it was; a line that does
+    not parse is named in a warning and dropped when the file is rewritten; the file can come from
+    LLAMA_MOE_POOL_HOTSET; a context that never ran a pooled step writes nothing."""
+    path = tmp_path / "hot.txt"
+    other = "[hotset model=llama4/Other/123 slots=8]\nblk.0 3:9 1:2\n"
+    path.write_text(other + "blk.1 nonsense\n")
+    monkeypatch.setenv("LLAMA_MOE_POOL_HOTSET", str(path))
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    idle = Context(model, pool=PoolConfig(slots=6, device_mib=65536))
+    idle.close()
+    assert path.read_text() == other + "blk.1 nonsense\n"
+    hits, _, lines = hot_run(model, stream, PoolConfig(slots=6, device_mib=65536))
+    model.close()
+    assert hot_lines(lines)[0].startswith("expert pool hotset=cold reason=no-section")
+    assert "line 3: `nonsense` is not <expert>:<uses>" in caplog.text
+    text = path.read_text()
+    assert other in text and "nonsense" not in text and text.count("[hotset ") == 2
+
+
+@pytest.mark.parametrize("hotset", ["", "."])
+def test_a_hot_set_must_be_a_file_path(hotset):
+    with pytest.raises(PoolConfigError, match="hotset"):
+        PoolConfig(slots=4, hotset=hotset).validate()
