@@ -22,6 +22,8 @@ from . import paths
 from .errors import LibraryNotFound
 
 LIBRARY_NAME = "libllama.so"
+#: the expert pool's slot policy on its own, for trace replay (include/llama-moe-pool-replay.h)
+REPLAY_LIBRARY_NAME = "libllama-moe-pool-replay.so"
 CDEF_NAME = "pyllamapool.cdef.h"
 _C_SIZES = {"int8_t": 1, "uint8_t": 1, "int16_t": 2, "int32_t": 4, "uint32_t": 4, "int64_t": 8,
             "uint64_t": 8, "float": 4, "double": 8}
@@ -118,3 +120,14 @@ def load() -> tuple[cffi.FFI, object, NativeLocation]:
     _cxx_runtime_first()
     lib = ffi.dlopen(str(where.library))
     return ffi, lib, where
+
+
+@functools.lru_cache(maxsize=None)
+def replay() -> tuple[cffi.FFI, object]:
+    """(ffi, lib) of the pool's replay library, beside libllama; loaded once per process."""
+    ffi, _, where = load()
+    path = where.lib_dir / REPLAY_LIBRARY_NAME
+    if not path.exists():
+        raise LibraryNotFound(f"{path} is missing: the build predates the replay library; rebuild with "
+                              "`python build.py --target cpu`")
+    return ffi, ffi.dlopen(str(path))

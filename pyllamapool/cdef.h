@@ -7,3 +7,6 @@
 #if __has_include("llama-moe-pool.h")
 #include "llama-moe-pool.h"
 #endif
+#if __has_include("llama-moe-pool-replay.h")
+#include "llama-moe-pool-replay.h"
+#endif

@@ -486,7 +486,7 @@ class Policy:
     """The product's slot policy on its own (the same C++ the pool runs), for trace replay."""
 
     def __init__(self, n_expert: int, n_slots: int, policy: str | int = DEFAULT_POLICY, gate: bool = False):
-        ffi, lib, _ = _ffi.load()
+        ffi, lib = _ffi.replay()
         kind = policy_kind(policy)
         handle = lib.llama_moe_pool_policy_init(n_expert, n_slots, kind)
         if handle == ffi.NULL:
@@ -498,12 +498,12 @@ class Policy:
 
     def admits(self) -> bool:
         """Whether the admission gate lets the next step use the pool (always, without a gate)."""
-        _, lib, _ = _ffi.load()
+        _, lib = _ffi.replay()
         return bool(lib.llama_moe_pool_policy_admits(self.handle))
 
     def skip(self) -> None:
         """The next step ran the stock path because the gate was closed."""
-        _, lib, _ = _ffi.load()
+        _, lib = _ffi.replay()
         lib.llama_moe_pool_policy_skip(self.handle)
 
     def feed(self, ids: Sequence[int]) -> list[bool] | None:
@@ -519,7 +519,7 @@ class Policy:
 
     def step(self, ids: Sequence[int]) -> tuple[list[int], list[bool]] | None:
         """(slots, missed) for one step's ids, or None if they do not fit the slots."""
-        ffi, lib, _ = _ffi.load()
+        ffi, lib = _ffi.replay()
         n = len(ids)
         c_ids = ffi.new("int32_t[]", list(ids))
         slots = ffi.new("int32_t[]", max(n, 1))
@@ -529,12 +529,12 @@ class Policy:
         return list(slots[0:n]), [bool(m) for m in miss[0:n]]
 
     def counters(self) -> PoolCounters:
-        ffi, lib, _ = _ffi.load()
+        ffi, lib = _ffi.replay()
         out = ffi.new("struct llama_moe_pool_counters *")
         lib.llama_moe_pool_policy_counters(self.handle, out)
         return _counters_from_c(out)
 
     def freq_led_steps(self) -> int:
         """Steps whose victims were chosen by use count, not recency (adaptive only)."""
-        _, lib, _ = _ffi.load()
+        _, lib = _ffi.replay()
         return lib.llama_moe_pool_policy_freq_led_steps(self.handle)

@@ -19,14 +19,22 @@ WRAPPER = project_root() / "pyllamapool" / "cdef.h"
 
 
 def unexported_functions(cdef_text: str) -> list[str]:
-    """Functions the headers declare but no built library exports (upstream has a few)."""
+    """Functions the headers declare but no built library exports (upstream has a few): libllama
+    (with the libraries it loads) and the pool's replay library are looked in."""
     ffi, lib, _ = _ffi.load()
+    _, replay = _ffi.replay()
     declared = [key.split(" ", 1)[1] for key in ffi._parser._declarations if key.startswith("function ")]
     missing = []
     for name in sorted(declared):
-        try:
-            getattr(lib, name)
-        except AttributeError:
+        found = False
+        for library in (lib, replay):
+            try:
+                getattr(library, name)
+                found = True
+                break
+            except AttributeError:
+                pass
+        if not found:
             missing.append(name)
     return missing
 
@@ -48,7 +56,7 @@ def compile_checker(tmp_path, cdef_text: str, name: str):
     ffi.set_source(name, f'#include "{WRAPPER}"',
                    include_dirs=[str(VENDOR / "include"), str(VENDOR / "ggml" / "include")],
                    library_dirs=[str(where.lib_dir)],
-                   libraries=["llama", "ggml", "ggml-base", "ggml-rpc"],
+                   libraries=["llama", "llama-moe-pool-replay", "ggml", "ggml-base", "ggml-rpc"],
                    extra_link_args=[f"-Wl,-rpath,{where.lib_dir}"],
                    extra_compile_args=["-Wno-deprecated-declarations", "-Werror=incompatible-pointer-types",
                                        "-Werror=int-conversion"])
@@ -120,6 +128,22 @@ def test_every_bound_llama_and_pool_function_exists_in_the_library():
     # only ggml-cpu.h declares one function upstream never implemented
     assert [m for m in missing if m.startswith(("llama_", "ggml_backend_"))] == []
     assert set(missing) <= {"ggml_threadpool_get_n_threads"}, missing
+
+
+def test_the_pool_adds_twelve_functions_to_libllama_and_keeps_the_policy_replay_apart():
+    """llama.h's surface grows by what a server, a bench and this binding need of the pool; the
+    policy replay (research tooling) is a library of its own with a header of its own."""
+    def functions(header: str) -> list[str]:
+        text = (VENDOR / "include" / header).read_text()
+        return re.findall(r"^LLAMA(?:_MOE_REPLAY)?_API\b[^(]*?\b(llama_\w+)\s*\(", text, re.M)
+    pool = functions("llama-moe-pool.h")
+    replay = functions("llama-moe-pool-replay.h")
+    assert len(pool) == 12, pool
+    assert not any(name.startswith("llama_moe_pool_policy_") for name in pool)
+    assert replay and all(name.startswith("llama_moe_pool_policy_") for name in replay)
+    _, lib, _ = _ffi.load()
+    with pytest.raises(AttributeError):
+        getattr(lib, "llama_moe_pool_policy_init")  # not libllama's
 
 
 def test_cdef_is_generated_from_our_wrapper_header():

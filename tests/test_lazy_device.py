@@ -14,12 +14,15 @@ what GPUs take, and the heavy-eviction test runs both.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from pyllamapool.llama import Context, Model, lazy_copy_device
 from pyllamapool.pool import PoolConfig
 from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream
+from pyllamapool.trace import PoolTraceRecorder
 from test_pool import (BATCH_SHAPES, cpu_repacks_weights, decode, decode_in_batches, decode_sequences,
                        identical, user_type_model)
 
@@ -161,10 +164,18 @@ def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, s
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream, n_prompt=1)
     model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
-    config = pool(slots=6, mode=mode, uploads=uploads, hotset=tmp_path / "hot.txt")
+    hot = tmp_path / "hot.txt"
+    config = pool(slots=6, mode=mode, uploads=uploads, hotset=hot)
     first = Context(model, pool=config)
+    recorder = PoolTraceRecorder(first)
     first.decode([stream[0]])
-    first.close()  # the file: the first token's experts, per layer
+    recorder.end_step()
+    first.close()  # one token is too short a run to save: the file is written here by hand
+    key = re.search(r"hotset=cold reason=no-file .* model=(\S+) slots=(\d+)", "\n".join(first.pool_lines()))
+    assert key and not hot.exists()
+    hot.write_text(f"[hotset model={key.group(1)} slots={key.group(2)}]\n" + "".join(
+        f"blk.{il} " + " ".join(f"{e}:1" for e in dict.fromkeys(ids.tolist())) + "\n"
+        for il, (ids, _) in sorted(recorder.steps[0].items())))
     ctx = Context(model, pool=config)
     ctx.decode([stream[0]])
     c = ctx.pool_counters()

@@ -1295,7 +1295,8 @@ def test_a_hot_set_file_keeps_other_models_sections_and_reports_what_it_skipped(
                                                                                  tmp_path, monkeypatch, caplog):
     """One file serves several models: another model's section is left as it was; a line that does
     not parse is named in a warning and dropped when the file is rewritten; the file can come from
-    LLAMA_MOE_POOL_HOTSET; a context that never ran a pooled step writes nothing."""
+    LLAMA_MOE_POOL_HOTSET; a context that served fewer selections than its pool has slots (a warm-up
+    decode, here none at all) leaves the file as it was."""
     path = tmp_path / "hot.txt"
     other = "[hotset model=llama4/Other/123 slots=8]\nblk.0 3:9 1:2\n"
     path.write_text(other + "blk.1 nonsense\n")
@@ -1304,6 +1305,7 @@ def test_a_hot_set_file_keeps_other_models_sections_and_reports_what_it_skipped(
     idle = Context(model, pool=PoolConfig(slots=6, device_mib=65536))
     idle.close()
     assert path.read_text() == other + "blk.1 nonsense\n"
+    assert any(line.startswith("expert pool hotset=unchanged reason=short-run") for line in idle.pool_lines())
     hits, _, lines = hot_run(model, stream, PoolConfig(slots=6, device_mib=65536))
     model.close()
     assert hot_lines(lines)[0].startswith("expert pool hotset=cold reason=no-section")
