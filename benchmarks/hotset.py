@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from upstream import check_run_args, open_model, run_args, run_side_by_side, spec  # noqa: E402
+from upstream import check_run_args, opened_model, run_args, run_side_by_side, spec  # noqa: E402
 
 EARLY = 16   # decode steps that make "the first tokens"
 PROMPT = 64  # a prompt longer than the pool's micro-batches: prefill on the stock path
@@ -69,10 +69,9 @@ def measure(args) -> list[dict]:
     s = spec()
     measured = token_stream(s, StreamSpec(n_tokens=PROMPT + args.tokens, seed=3))
     earlier = token_stream(s, StreamSpec(n_tokens=PROMPT + args.tokens, seed=11))
-    model, server, device_mib = open_model(args.device, cached_model(s))
-    sized = {"device_mib": device_mib} if device_mib else {}
     rows = []
-    try:
+    with opened_model(args.device, cached_model(s)) as (model, device_mib):
+        sized = {"device_mib": device_mib} if device_mib else {}
         with tempfile.TemporaryDirectory() as tmp:
             for repeat in range(args.repeats):
                 for slots in args.slot_list:
@@ -90,10 +89,6 @@ def measure(args) -> list[dict]:
                                          early_tps_ratio=warm["early_tps"] / cold["early_tps"],
                                          tps_ratio=warm["tps"] / cold["tps"]))
                         print(rows[-1], file=sys.stderr, flush=True)
-    finally:
-        model.close()
-        if server is not None:
-            server.stop()
     return rows
 
 

@@ -27,6 +27,7 @@ memory bandwidth: the figures rank designs by what they do (uploads, waits), not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -93,6 +94,19 @@ def open_model(device: str, path):
         lazy_copy_device()
         return Model(path, n_gpu_layers=99, cpu_moe=True, lazy_copy=True), None, 65536
     return Model(path, n_gpu_layers=99, cpu_moe=True), None, 0
+
+
+@contextlib.contextmanager
+def opened_model(device: str, path):
+    """open_model as a context: (model, device size to emulate in MiB or 0), the model closed and
+    its RPC server stopped on leaving."""
+    model, server, device_mib = open_model(device, path)
+    try:
+        yield model, device_mib
+    finally:
+        model.close()
+        if server is not None:
+            server.stop()
 
 
 def relaunch_on_vulkan(script: str, argv) -> int | None:
