@@ -6,6 +6,9 @@ that is from Belady's offline optimum. Machine-independent: it counts bytes, it 
     python benchmarks/policy.py --json          # rows: preset, slots, policy, hit_rate,
                                                 #       copy_bytes_per_token, vs_opt, vs_lru, ...
     python benchmarks/policy.py --readme        # docs/policy-lab.md's tables, regenerated
+    python benchmarks/policy.py --modes results/modes-rtx3090.json
+                                                # every mode side by side (ours, upstream's, OPT): MiB
+                                                # uploaded and CPU experts per token, priced on an RTX 3090
 """
 from __future__ import annotations
 
@@ -35,10 +38,20 @@ def main() -> int:
     parser.add_argument("--plot", default="policy-benchmark.png")
     parser.add_argument("--readme", action="store_true",
                         help="print docs/policy-lab.md's two tables (every preset, seeds 0-2) and nothing else")
+    parser.add_argument("--modes", type=Path, metavar="JSON",
+                        help="every mode side by side on every preset and slot fraction (bench.modes_rows): "
+                             "write the rows here and print docs/policy-lab.md's table")
     args = parser.parse_args()
     if args.readme:
         for table in bench.readme_tables():
             print(table)
+        return 0
+    if args.modes:
+        rows = bench.modes_rows(args.preset, tuple(float(f) for f in args.fractions.split(",")), seed=args.seed)
+        args.modes.write_text(json.dumps({"profile": bench.MODES_PROFILE, "host_layers": bench.MODES_HOST_LAYERS,
+                                          "dense_ms": bench.MODES_DENSE_MS, "seed": args.seed,
+                                          "rows": [r.__dict__ for r in rows]}, indent=1) + "\n")
+        print(bench.modes_markdown(rows))
         return 0
     presets = args.preset or list(PRESETS)
     fractions = tuple(float(f) for f in args.fractions.split(","))

@@ -150,7 +150,9 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
         pool_bytes = sum(r.pool for r in ctx.memory())
         per_layer = len(ctx.pool_report(per_pool=True).pools) // spec().n_layer  # gate, up, down: a lookup each
         row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024, pool_bytes=pool_bytes, pool_mib=pool_bytes / 2**20,
-                   cpu=c.cpu_experts / per_layer / n, placed=c.placed / per_layer / n)
+                   cpu=c.cpu_experts / per_layer / n, placed=c.placed / per_layer / n,
+                   prefetched=c.prefetched / per_layer / n, prefetch_hits=c.prefetch_hits / per_layer / n,
+                   precision=c.prefetch_precision, recall=c.prefetch_recall)
         ctx.close()
     else:
         ctx.close()

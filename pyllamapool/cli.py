@@ -46,6 +46,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value:g} is outside 0 to 1")
+    return value
+
+
 def add_offload_args(p: argparse.ArgumentParser) -> None:
     """The llama.cpp offload flags, spelled as llama.cpp spells them."""
     p.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=int, default=0,
@@ -122,6 +132,10 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
         p.add_argument("--hotset", metavar="FILE",
                        help="hot set file: start with the experts an earlier run used most, and write this "
                             "run's back at exit (LLAMA_MOE_POOL_HOTSET)")
+        p.add_argument("--prefetch", choices=("auto", "off", "on"),
+                       help="hybrid mode: upload the next layer's predicted experts ahead of its step: auto "
+                            "(default: where uploads run beside compute, as many as the link carries in time), "
+                            "off, or on (LLAMA_MOE_POOL_PREFETCH)")
     from .pool import GATES, MODES, POLICY_KINDS
     several = " (comma-separated values are swept)" if sweepable else ""
     p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
@@ -153,7 +167,8 @@ def _pool_config(args):
         raise PyllamapoolError("--policy, --gate and --mode take one value here (lists are for `sweep`)")
     return PoolConfig(slots=slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib, device_mib=_device_mib(args),
                       profile=args.profile, policy=args.policy[0], gate=args.gate[0], mode=args.mode[0],
-                      upload_frac=args.upload_frac, hotset=getattr(args, "hotset", None))
+                      upload_frac=args.upload_frac, hotset=getattr(args, "hotset", None),
+                      prefetch=getattr(args, "prefetch", None))
 
 
 def _offload(args, **over):
@@ -340,7 +355,8 @@ def cmd_predict(args) -> int:
     else:
         routing = P.Routing.from_preset(args.preset, args.seed, n_expert=geometry.n_expert, top_k=geometry.top_k)
     rows = [r for slots in args.mec for r in P.predict(geometry, profile, routing, slots,
-                                                       upload_frac=args.upload_frac, pinned=not args.pageable)
+                                                       upload_frac=args.upload_frac, pinned=not args.pageable,
+                                                       prefetch_overlap=args.prefetch_overlap)
             if r.mode != "stock" or slots == args.mec[0]]
     if args.json:
         print(json.dumps({"schema": "pyllamapool.predict/1", "profile": asdict(profile),
@@ -366,6 +382,10 @@ def cmd_predict(args) -> int:
     wide(console, 150).print(table)
     console.print("hybrid's CPU column is the slower side of each layer (hits on the device run at the same "
                   "time); its uploads are off the critical path, within --upload-frac of a token")
+    for r in rows:
+        if r.mode == "hybrid" and r.setting:
+            source = "the trace's recorded predictions" if routing.predicted else "predictions drawn at that overlap"
+            console.print(f"hybrid -mec {r.slots}: {r.setting}; {source}")
     return 0
 
 
@@ -576,6 +596,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--upload-frac", type=float, default=0.25, help="hybrid's upload budget, share of a token")
     p.add_argument("--pageable", action="store_true", help="experts upload from mmap'd pages, not pinned memory")
+    p.add_argument("--prefetch-overlap", type=_fraction, default=0.61,
+                   help="hybrid's prefetch: the share of a step's experts the previous layer's prediction names "
+                        "(default 0.61, published for GLM-5.3-Flash; 0 = no prefetch; a --trace recorded with "
+                        "prefetch brings its own predictions)")
     p.add_argument("--validate", action="store_true", help="compare the model with published results")
     p.add_argument("--list-profiles", action="store_true")
     p.add_argument("--json", action="store_true")

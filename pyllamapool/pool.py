@@ -38,13 +38,18 @@ UPLOAD_PATHS = {"inline": 1, "stream": 2}
 #: "cost" (a share is uploaded for the device to compute in the step, by measured cost), "cpu" (the CPU
 #: computes them all) or "device" (every miss a slot can take is uploaded in its step, as copy mode does)
 PLACEMENTS = {"cost": 1, "cpu": 2, "device": 3}
+#: hybrid mode, whether a layer's step uploads the next layer's predicted experts ahead of its step, by
+#: C API code (enum llama_moe_pool_prefetch_type): "auto" (where uploads run beside compute, as many as
+#: the link carries before that step), "off", or "on" (every predicted expert a slot can take)
+PREFETCHES = {"auto": 1, "off": 2, "on": 3}
 #: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
 ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL_CAP_MIB",
                "device_mib": "LLAMA_MOE_POOL_DEVICE_MIB", "profile": "LLAMA_MOE_POOL_PROFILE",
                "policy": "LLAMA_MOE_POOL_POLICY", "gate": "LLAMA_MOE_POOL_GATE", "mode": "LLAMA_MOE_POOL_MODE",
                "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH",
                "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB",
-               "placement": "LLAMA_MOE_POOL_PLACEMENT", "hotset": "LLAMA_MOE_POOL_HOTSET"}
+               "placement": "LLAMA_MOE_POOL_PLACEMENT", "hotset": "LLAMA_MOE_POOL_HOTSET",
+               "prefetch": "LLAMA_MOE_POOL_PREFETCH"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -82,6 +87,11 @@ def uploads_code(uploads: str | int) -> int:
 def placement_code(placement: str | int) -> int:
     """The C API code of a hybrid placement rule given by name or code."""
     return _code("placement", placement, PLACEMENTS)
+
+
+def prefetch_code(prefetch: str | int) -> int:
+    """The C API code of a prefetch rule given by name or code."""
+    return _code("prefetch", prefetch, PREFETCHES)
 
 
 def _check_whole(name: str, value, minimum: int, expected: str) -> None:
@@ -141,6 +151,11 @@ class PoolConfig:
         model and slot count. The context starts with its section's experts in the slots (a missing
         file or section: a cold start) and, once its pool served a step, merges this run's uses back
         into the file when it is freed.
+    prefetch: hybrid mode, whether each layer's step uploads the experts the next layer's router picks
+        from this layer's hidden state, before that layer's step: "auto" (the default: where uploads
+        run beside compute, as many as the link carries in time, each into an empty slot or one whose
+        expert was used no more often lately), "off", or "on" (every predicted expert a slot can take,
+        on either upload path; LLAMA_MOE_POOL_PREFETCH).
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -157,6 +172,7 @@ class PoolConfig:
     staging_mib: int | None = None
     placement: str | None = None
     hotset: str | Path | None = None
+    prefetch: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -206,6 +222,8 @@ class PoolConfig:
             uploads_code(self.uploads)
         if self.placement is not None:
             placement_code(self.placement)
+        if self.prefetch is not None:
+            prefetch_code(self.prefetch)
         _check_whole("staging_mib", self.staging_mib, 1, "it must be a whole number of MiB >= 1")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
@@ -280,6 +298,8 @@ class PoolConfig:
             params.staging_mib = config.staging_mib
         if config.placement is not None:
             params.placement = placement_code(config.placement)
+        if config.prefetch is not None:
+            params.prefetch = prefetch_code(config.prefetch)
         params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
@@ -308,6 +328,7 @@ class PoolStatus:
     gate: str = "off"
     mode: str = "hybrid"
     uploads: str = "stream"
+    prefetch: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -344,10 +365,29 @@ class PoolCounters:
     #: hybrid mode: misses uploaded in their own step for the device to compute (placement "cost";
     #: counted in uploads and device_experts, not in cpu_experts)
     placed: int = 0
+    #: hybrid mode, prefetch: distinct experts predicted for steps, how many of them those steps
+    #: selected, and what those steps selected; experts uploaded ahead (counted in uploads), the ones
+    #: their step computed on the device (counted in hits), and the bytes of those it did not select
+    predicted: int = 0
+    predicted_used: int = 0
+    predicted_lookups: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
+    prefetch_wasted_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Of the experts predicted for a step, the share it selected."""
+        return self.predicted_used / self.predicted if self.predicted else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Of the experts steps with a prediction selected, the share it named."""
+        return self.predicted_used / self.predicted_lookups if self.predicted_lookups else 0.0
 
     @property
     def syncs_per_token(self) -> float:
@@ -366,6 +406,7 @@ class PoolCounters:
         data = asdict(self)
         del data["batch_lookups"], data["batch_hits"]
         return {**data, "hit_rate": self.hit_rate, "syncs_per_token": self.syncs_per_token,
+                "prefetch_precision": self.prefetch_precision, "prefetch_recall": self.prefetch_recall,
                 "block_us_per_token": self.block_us_per_token,
                 "by_batch": self.by_batch()}
 
@@ -417,7 +458,8 @@ def _status_from_c(ffi, s) -> PoolStatus:
         policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
         gate=ffi.string(s.gate).decode() if s.gate else "off",
         mode=ffi.string(s.mode).decode() if s.mode else "hybrid",
-        uploads=ffi.string(s.uploads).decode() if s.uploads else "stream")
+        uploads=ffi.string(s.uploads).decode() if s.uploads else "stream",
+        prefetch=ffi.string(s.prefetch).decode() if s.prefetch else "off")
 
 
 def _counters_from_c(c) -> PoolCounters:
@@ -425,7 +467,8 @@ def _counters_from_c(c) -> PoolCounters:
                         c.gated_steps, c.gate_closures, c.device_experts, c.cpu_experts, c.uploads, c.deferred,
                         c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
                         c.prefill_host_bytes, c.block_us, c.uploads_in_flight, c.stood_down_steps,
-                        c.stand_downs, c.placed)
+                        c.stand_downs, c.placed, c.predicted, c.predicted_used, c.predicted_lookups,
+                        c.prefetched, c.prefetch_hits, c.prefetch_wasted_bytes)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:

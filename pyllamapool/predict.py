@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import PyllamapoolError
-from .lab import arbiter, placement, policies, synth
+from .lab import arbiter, placement, policies, prefetch, synth
 from .trace import Trace
 
 MODES = ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto")
@@ -48,6 +48,8 @@ UPSTREAM_CPU_SHARES = (0.25, 0.5, 0.75)
 #: hybrid with the CPU computing every miss (`placement=cpu`, the rule before placement by cost): a mode
 #: `predict` takes when asked, for the side-by-side table
 HYBRID_CPU = "hybrid-cpu"
+#: hybrid with placement by cost and no prefetch (`LLAMA_MOE_POOL_PREFETCH=off`)
+HYBRID_NO_PREFETCH = "hybrid-no-prefetch"
 MIB = 1 << 20
 
 
@@ -298,6 +300,9 @@ class Routing:
     n_expert: int
     top_k: int
     source: str
+    #: per layer, the prediction made for each step (a trace recorded through the pool with prefetch);
+    #: None: predictions are drawn at a given overlap (`lab.prefetch.synthetic`)
+    predicted: list[list[list[int]]] | None = None
     _replays: dict = field(default_factory=dict, repr=False, compare=False)
 
     def replayed(self, key: tuple, replay):
@@ -309,8 +314,11 @@ class Routing:
 
     @classmethod
     def from_trace(cls, trace: Trace, source: str) -> "Routing":
+        predicted = None
+        if trace.predicted is not None:
+            predicted = [prefetch.recorded(trace, i) for i in range(trace.ids.shape[1])]
         return cls([policies.layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])],
-                   trace.n_expert, trace.top_k, source)
+                   trace.n_expert, trace.top_k, source, predicted)
 
     @classmethod
     def from_preset(cls, name: str, seed: int = 0, **changes) -> "Routing":
@@ -332,15 +340,21 @@ def _rate(stats: list[policies.PolicyStats]) -> tuple[float, float, float]:
 
 def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slots: int,
             upload_frac: float = 0.25, hit_rate: float | None = None,
-            modes: tuple[str, ...] = MODES, pinned: bool = True) -> list[ModePrediction]:
+            modes: tuple[str, ...] = MODES, pinned: bool = True,
+            prefetch_overlap: float = prefetch.PUBLISHED_OVERLAP,
+            cpu_shares: tuple[float, ...] = UPSTREAM_CPU_SHARES) -> list[ModePrediction]:
     """Per-token time of each mode at `slots` per layer. With `hit_rate`, copy and merged-lru use it
     instead of the replay (to separate the cost model's error from the routing's). `pinned`: the
-    experts upload from pinned memory (the pool's default) rather than from mmap'd pages."""
+    experts upload from pinned memory (the pool's default) rather than from mmap'd pages.
+    `prefetch_overlap`: how much of a step's selection hybrid's prediction names (0: no prefetch);
+    `cpu_shares`: the `--moe-cache-cpu-share` values cpu-share is tried at (the best one counts)."""
     if slots < 0:
         raise PyllamapoolError(f"slots {slots}: must be 0 or more")
     if not 0 < upload_frac <= 1:
         raise PyllamapoolError(f"upload fraction {upload_frac}: accepted is 0 < f <= 1")
-    bad = [m for m in modes if m not in (*MODES, HYBRID_CPU)]
+    if not 0 <= prefetch_overlap <= 1:
+        raise PyllamapoolError(f"prefetch overlap {prefetch_overlap}: accepted is 0 (no prefetch) <= overlap <= 1")
+    bad = [m for m in modes if m not in (*MODES, HYBRID_CPU, HYBRID_NO_PREFETCH)]
     if bad:
         raise PyllamapoolError(f"unknown mode {', '.join(bad)}; modes: {', '.join(MODES)}")
     g, p = geometry, profile
@@ -382,7 +396,7 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
                 0.0, misses * g.expert_bytes)
         elif mode in ("lrfu", "cpu-share"):
             candidates = []
-            for share in ((0.0,) if mode == "lrfu" else UPSTREAM_CPU_SHARES):
+            for share in ((0.0,) if mode == "lrfu" else cpu_shares):
                 st = routing.replayed(("lrfu", n_slots, share), lambda: policies.lrfu(
                     routing.layers, n_slots * len(routing.layers), cpu_share=share))
                 hit = st.hit_rate if hit_rate is None else hit_rate
@@ -411,23 +425,54 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             hit, _, uploaded = _rate(stats)
             row(HYBRID_CPU, hit, _parts_at_hit_rate(g, c, "hybrid", hit, k), L * k * (1 - hit),
                 L * k * uploaded * g.expert_bytes)
-        elif mode == "hybrid":
+        elif mode in ("hybrid", HYBRID_NO_PREFETCH):
             # placement by cost, as the engine decides it: per step, misses are uploaded for the device
             # while its side (the uploads) is shorter than the CPU's (the rest); the engine leaves the
             # device's matmuls out of that choice (dev_ms 0), and the time counts them. The two sides
-            # run side by side
+            # run side by side. Then prefetch, where the link has room before each layer's step: the
+            # time between two layers' steps is the token's time without it, over the layers
             per_step, payback = _hybrid_budget(c, stock_parts, upload_frac, L)
-            stats = [placement.cost_placement(steps, n_slots, c.cpu, 0.0, c.up, per_step, payback)
-                     for steps in routing.layers]
+            parts, stats = _hybrid_parts(routing, g, c, n_slots, k, per_step, payback)
+            if mode == "hybrid" and prefetch_overlap > 0:
+                window = sum(parts.values()) / max(1, L) / c.up
+                parts, stats = _hybrid_parts(routing, g, c, n_slots, k, per_step, payback,
+                                             prefetch_overlap, window)
             hit, _, uploaded = _rate(stats)
             lookups = sum(st.lookups for st in stats)
-            now = sum(st.uploaded_now for st in stats) / lookups
             on_cpu = sum(st.cpu for st in stats) / lookups
-            row("hybrid", hit, {"device": g.dense_ms, "syncs": L * c.sync,
-                                "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev),
-                                                              k * on_cpu * c.cpu)},
-                L * k * on_cpu, L * k * uploaded * g.expert_bytes)
+            setting = ""
+            if mode == "hybrid" and prefetch_overlap > 0:
+                named = sum(st.predicted for st in stats)
+                setting = (f"prefetch {sum(st.prefetched for st in stats) / lookups * L * k:.1f}/token, "
+                           f"{sum(st.prefetch_hits for st in stats) / max(1, sum(st.prefetched for st in stats)):.0%} "
+                           f"used (overlap {prefetch_overlap:g}, precision "
+                           f"{sum(st.predicted_used for st in stats) / max(1, named):.0%})")
+            row(mode, hit, parts, L * k * on_cpu, L * k * uploaded * g.expert_bytes, setting)
     return out
+
+
+def _hybrid_parts(routing: "Routing", g: Geometry, c: ExpertCosts, n_slots: int, k: float, per_step: float,
+                  payback: float, prefetch_overlap: float = 0.0, window_uploads: float | None = None
+                  ) -> tuple[dict[str, float], list[policies.HybridStats]]:
+    """Hybrid mode's token time, split as `predict` reports it, and the replay's stats per layer:
+    placement by cost, and prefetch at the given overlap within `window_uploads` per layer step."""
+    stats = []
+    for li, steps in enumerate(routing.layers):
+        ahead = None
+        if prefetch_overlap > 0 and routing.predicted is not None:
+            ahead = prefetch.Prefetch(routing.predicted[li], window_uploads)   # the engine's own, recorded
+        elif prefetch_overlap > 0:
+            ahead = prefetch.Prefetch(routing.replayed(
+                ("predictions", li, prefetch_overlap),
+                lambda: prefetch.synthetic(steps, prefetch_overlap, routing.n_expert, seed=li)), window_uploads)
+        stats.append(placement.cost_placement(steps, n_slots, c.cpu, 0.0, c.up, per_step, payback, prefetch=ahead))
+    lookups = sum(st.lookups for st in stats)
+    hit = sum(st.hits for st in stats) / lookups
+    now = sum(st.uploaded_now for st in stats) / lookups
+    on_cpu = sum(st.cpu for st in stats) / lookups
+    L = g.n_host_layers
+    return ({"device": g.dense_ms, "syncs": L * c.sync,
+             "experts_overlapped": L * max(k * hit * c.dev + k * now * (c.up + c.dev), k * on_cpu * c.cpu)}, stats)
 
 
 def _hybrid_budget(c: ExpertCosts, stock_parts: dict[str, float], upload_frac: float, L: int) -> tuple[float, float]:
@@ -543,8 +588,10 @@ def validate(seed: int = 0) -> list[ValidationRow]:
         g = _calibrated(anchor)
         routing = Routing.from_preset(anchor.preset, seed)
         profile = PROFILES[anchor.profile]
+        # the forks ran no prefetch: their hybrid is ours without it
+        mode = HYBRID_NO_PREFETCH if anchor.mode == "hybrid" else anchor.mode
         for slots, measured, published_hits in anchor.measured:
-            pred = predict(g, profile, routing, slots, modes=(anchor.mode,), pinned=anchor.pinned)[0]
+            pred = predict(g, profile, routing, slots, modes=(mode,), pinned=anchor.pinned)[0]
             at_pub = (None if published_hits is None
                       else _tps_at_hit_rate(g, profile, anchor.mode, published_hits, anchor.pinned))
             rows.append(ValidationRow(
@@ -634,7 +681,7 @@ def peers_rows(seed: int = 0) -> tuple[dict, ...]:
     `default` the product's default mode."""
     rows = []
     for name, prof, g, slots, routing, preset in auto_cases(seed):
-        preds = predict(g, PROFILES[prof], routing, slots, modes=(*PEER_COLUMNS, HYBRID_CPU))
+        preds = predict(g, PROFILES[prof], routing, slots, modes=(*PEER_COLUMNS, HYBRID_NO_PREFETCH, HYBRID_CPU))
         m = {r.mode: r.tokens_per_s for r in preds}
         share = next(r.setting for r in preds if r.mode == "cpu-share")
         best = max(("stock", "copy", *UPSTREAM_MODES), key=lambda mode: m[mode])
@@ -646,16 +693,17 @@ def peers_rows(seed: int = 0) -> tuple[dict, ...]:
 def peers_markdown(seed: int = 0) -> str:
     """Every mode side by side with llama.cpp's cache (Markdown): t/s as a multiple of stock per
     machine and routing preset, the default against the best of stock, copy and upstream's modes,
-    and hybrid with the CPU computing every miss against the same."""
-    lines = ["| machine | slots | preset | " + " | ".join(PEER_COLUMNS) + f" | {HYBRID_CPU} | best other | "
-             f"{DEFAULT_MODE} / best other | {HYBRID_CPU} / best other |",
-             "| --- | ---: | --- | " + " | ".join("---:" for _ in PEER_COLUMNS) + " | ---: | --- | ---: | ---: |"]
+    and hybrid without prefetch and with the CPU computing every miss against the same."""
+    lines = ["| machine | slots | preset | " + " | ".join(PEER_COLUMNS) + f" | {HYBRID_NO_PREFETCH} | {HYBRID_CPU} | "
+             f"best other | {DEFAULT_MODE} / best other | {HYBRID_NO_PREFETCH} / best other | {HYBRID_CPU} / best other |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in PEER_COLUMNS) + " | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in peers_rows(seed):
         best = r[r["best_other"]]
         cells = [f"{r[m] / r['stock']:.2f}x" for m in PEER_COLUMNS]
         cells[PEER_COLUMNS.index("cpu-share")] += f" (F={r['cpu_share_setting'].split()[-1]})"
         lines.append(f"| {r['machine']} | {r['slots']} | {r['preset']} | " + " | ".join(cells) +
-                     f" | {r[HYBRID_CPU] / r['stock']:.2f}x | {r['best_other']} | {r[DEFAULT_MODE] / best:.2f} | "
+                     f" | {r[HYBRID_NO_PREFETCH] / r['stock']:.2f}x | {r[HYBRID_CPU] / r['stock']:.2f}x | "
+                     f"{r['best_other']} | {r[DEFAULT_MODE] / best:.2f} | {r[HYBRID_NO_PREFETCH] / best:.2f} | "
                      f"{r[HYBRID_CPU] / best:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,9 @@
 Format (`.npz`): `ids` int32 [tokens, moe_layers, top_k] (expert ids, -1 = none), `layers` int32
 [moe_layers] (the model's layer index of each column), and `meta` (a JSON string): model, n_expert,
 top_k, bytes_per_expert ({layer: {tensor: bytes}}), source ("recorded" or "synthetic"), and for
-synthetic traces preset and seed.
+synthetic traces preset and seed. Recorded through the live pool, also `miss` bool [tokens,
+moe_layers, top_k] and, where hybrid mode's prefetch predicted experts, `predicted` int32 [tokens,
+moe_layers, top_k] (what the previous layer's step predicted for each step, -1 = no prediction).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class Trace:
     meta: dict = field(default_factory=dict)
     #: the live pool's view, when recorded through it: True where the lookup missed (was copied in)
     miss: np.ndarray | None = None
+    #: hybrid mode's prefetch, when recorded through the pool: what the previous layer's step predicted
+    #: for each step ([tokens, layers, top_k], -1 where nothing was)
+    predicted: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -43,6 +48,8 @@ class Trace:
                   "meta": np.asarray(json.dumps(meta, sort_keys=True))}
         if self.miss is not None:
             arrays["miss"] = self.miss.astype(bool)
+        if self.predicted is not None:
+            arrays["predicted"] = self.predicted.astype(np.int32)
         np.savez_compressed(path, **arrays)
         return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
@@ -53,10 +60,11 @@ class Trace:
                 meta = json.loads(str(data["meta"]))
                 ids, layers = data["ids"], data["layers"].tolist()
                 miss = data["miss"] if "miss" in data.files else None
+                predicted = data["predicted"] if "predicted" in data.files else None
         except (OSError, KeyError, ValueError) as exc:
             raise PyllamapoolError(f"{path} is not a routing trace: {exc}") from None
         bpe = {int(k): v for k, v in meta.pop("bytes_per_expert", {}).items()}
-        return cls(ids, layers, int(meta.pop("n_expert")), int(meta.pop("top_k")), bpe, meta, miss)
+        return cls(ids, layers, int(meta.pop("n_expert")), int(meta.pop("top_k")), bpe, meta, miss, predicted)
 
 
 def expert_bytes_from_gguf(path: str | Path) -> dict[int, dict[str, int]]:
@@ -193,14 +201,19 @@ class PoolTraceRecorder:
         ffi, lib, _ = _ffi.load()
         self.steps: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
         self._current: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._predicted: dict[tuple[int, int], np.ndarray] = {}  # (step, layer) -> predicted ids
 
-        @ffi.callback("void(int32_t, const int32_t *, const int32_t *, const uint8_t *, int32_t, void *)")
-        def observe(layer, ids, slots, miss, n, _user):
+        @ffi.callback("void(int32_t, const int32_t *, const int32_t *, const uint8_t *, int32_t, "
+                      "const int32_t *, int32_t, void *)")
+        def observe(layer, ids, slots, miss, n, predicted, n_predicted, _user):
             try:
                 if layer in self._current:
                     self.end_step()
                 self._current[layer] = (np.frombuffer(ffi.buffer(ids, 4 * n), dtype=np.int32).copy(),
                                         np.frombuffer(ffi.buffer(miss, n), dtype=np.uint8).astype(bool))
+                if n_predicted:
+                    self._predicted[(len(self.steps), layer)] = np.frombuffer(
+                        ffi.buffer(predicted, 4 * n_predicted), dtype=np.int32).copy()
             except Exception as e:  # never unwind into C: the context's next decode raises it
                 if ctx.callback_error is None:
                     ctx.callback_error = e
@@ -221,12 +234,26 @@ class PoolTraceRecorder:
         if not self.steps:
             raise PyllamapoolError("the pool saw no decode step (is it enabled? see its status line)")
         layers = sorted(self.steps[0])
-        ids, miss = [], []
-        for step in self.steps:
-            n_tok = len(step[layers[0]][0]) // top_k
+        ids, miss, predicted = [], [], []
+        for si, step in enumerate(self.steps):
+            n_tok = max(len(step[il][0]) for il in layers) // top_k
             for t in range(n_tok):
-                sl = slice(t * top_k, (t + 1) * top_k)
-                ids.append(np.stack([step[il][0][sl] for il in layers]))
-                miss.append(np.stack([step[il][1][sl] for il in layers]))
+                id_row = np.full((len(layers), top_k), -1, dtype=np.int32)
+                miss_row = np.zeros((len(layers), top_k), dtype=bool)
+                pred_row = np.full((len(layers), top_k), -1, dtype=np.int32)
+                for li, il in enumerate(layers):
+                    # a prompt's last layer keeps only its output rows, the batch's last tokens
+                    first = n_tok - len(step[il][0]) // top_k
+                    if t < first:
+                        continue
+                    sl = slice((t - first) * top_k, (t - first + 1) * top_k)
+                    id_row[li], miss_row[li] = step[il][0][sl], step[il][1][sl]
+                    named = self._predicted.get((si, il))
+                    if named is not None and len(named) == len(step[il][0]):
+                        pred_row[li] = named[sl]
+                ids.append(id_row)
+                miss.append(miss_row)
+                predicted.append(pred_row)
         return Trace(np.stack(ids).astype(np.int32), layers, n_expert, top_k, bytes_per_expert or {},
-                     {"source": "recorded", "view": "pool", **(meta or {})}, np.stack(miss))
+                     {"source": "recorded", "view": "pool", **(meta or {})}, np.stack(miss),
+                     np.stack(predicted) if self._predicted else None)

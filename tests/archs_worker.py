@@ -65,6 +65,9 @@ class Run:
     pools: list[dict] = field(default_factory=list)
     #: the `expert pool layers mode=... reason=...` lines: which layers run which mode, and why
     layer_lines: list[str] = field(default_factory=list)
+    #: hybrid mode's prefetch: experts predicted for steps, and uploaded ahead of them
+    predicted: int = 0
+    prefetched: int = 0
 
 
 def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], Context]:
@@ -92,7 +95,10 @@ def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], C
 
 
 def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int) -> Run:
-    logits, ctx = scenario(model, PoolConfig(slots=slots, device_mib=65536, mode=mode))
+    # hybrid with prefetch on: on a GPU the default (auto) prefetches wherever the link has room, on
+    # the RPC device's inline path it would not, and each architecture's router must predict
+    pool = PoolConfig(slots=slots, device_mib=65536, mode=mode, prefetch="on" if mode == "hybrid" else None)
+    logits, ctx = scenario(model, pool)
     report = ctx.pool_report(per_pool=True)
     status = report.status
     ctx.close()
@@ -104,7 +110,7 @@ def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int)
               "reason": getattr(i, "reason", None)} for i in report.pools]
     return Run(slots, same, len(logits), diff, status.enabled, status.reason, status.mode, status.actual_slots,
                c.lookups, c.hits, c.misses, c.steps, c.bypassed_steps, c.device_experts, c.cpu_experts, pools,
-               layer_lines)
+               layer_lines, c.predicted, c.prefetched)
 
 
 def main(cases_file: str) -> None:

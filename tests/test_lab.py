@@ -311,3 +311,36 @@ def test_the_policy_lab_page_shows_hybrid_admission_against_copy_on_miss_as_comp
         cells = [c.strip() for c in row.strip("|").split("|")]
         copy_mib, hybrid_mib, cpu = float(cells[2]), float(cells[3]), float(cells[4])
         assert hybrid_mib <= copy_mib and cpu > 0
+
+
+def test_the_policy_lab_page_sets_every_mode_side_by_side_as_the_benchmark_computed():
+    """docs/policy-lab.md's side-by-side table is the committed benchmark JSON's, that JSON is what the
+    lab computes (one preset and slot count recomputed here; the whole run takes a minute), and what
+    the page says of it holds in every row."""
+    import json
+
+    from pyllamapool.lab import bench
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "modes-rtx3090.json").read_text())
+    rows = [bench.ModesRow(**r) for r in data["rows"]]
+    assert bench.modes_markdown(rows) in (ROOT / "docs" / "policy-lab.md").read_text()
+    again = bench.modes_rows(["qwen3-30b-a3b"], (0.25,), seed=data["seed"])
+    assert [r.__dict__ for r in again] == [r.__dict__ for r in rows if r.preset == "qwen3-30b-a3b" and r.slots == 32]
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r.preset, r.slots), {})[r.mode] = r
+    assert {m for c in cells.values() for m in c} == set(bench.MODES_COLUMNS)
+    for key, c in cells.items():
+        hyb, no_prefetch = c["hybrid"], c["hybrid-no-prefetch"]
+        shares = [c[f"cpu-share {f:g}"] for f in (0.25, 0.5, 0.75)]
+        best_share = max(shares, key=lambda r: r.tokens_per_s)
+        # prefetch: more bytes, fewer CPU experts, faster; and ahead of upstream's best share
+        assert hyb.upload_mib_per_token > no_prefetch.upload_mib_per_token, key
+        assert hyb.cpu_experts_per_token <= no_prefetch.cpu_experts_per_token, key
+        assert hyb.tokens_per_s > no_prefetch.tokens_per_s and hyb.tokens_per_s > best_share.tokens_per_s, key
+        assert hyb.upload_mib_per_token > best_share.upload_mib_per_token, key
+        assert hyb.cpu_experts_per_token < best_share.cpu_experts_per_token, key
+        # OPT bounds copy-on-miss with the same slots per layer
+        assert c["opt"].upload_mib_per_token <= c["copy"].upload_mib_per_token, key
+    lrfu_more = [key for key, c in cells.items() if c["lrfu"].upload_mib_per_token > c["copy"].upload_mib_per_token]
+    assert len(lrfu_more) == len(cells) - 1

@@ -191,3 +191,24 @@ def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, s
     assert status.enabled and status.mode == mode and status.uploads == uploads
     assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
         f"{mode} {expert_type} {uploads}: the warm start changed the logits"
+
+
+@pytest.mark.parametrize("prefetch", ["auto", "on"])
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, stream, prefetch, expert_type):
+    """Prefetch: a hybrid layer's step uploads the next layer's predicted experts on the upload queue,
+    into slots whose old experts the next layer's device table still points at. The next layer's step
+    must point its table away from those victims and have the compute queue wait for the copies of
+    the experts it computes. The lazy device runs the copies only when something waits for them, so a
+    missing wait, or a table that still maps a victim, is a wrong result here. auto prefetches on the
+    stream path by itself (the link has room: its copies are the host's memcpy). The CPU keeps its
+    plain kernels (no repacking), so that both sides compute as the resident run does."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    result, report, status, _ = decode(model, stream, pool(slots=4, mode="hybrid", prefetch=prefetch))
+    model.close()
+    c = report.counters
+    assert status.enabled and status.uploads == "stream" and status.prefetch == prefetch
+    assert c.prefetched > 0 and 0 < c.prefetch_hits <= c.prefetched, c
+    assert identical(result, ref), f"{prefetch} {expert_type}: prefetched experts changed the logits"

@@ -473,7 +473,8 @@ def test_a_draft_context_gets_no_pool_and_the_target_keeps_its_own(qwen3_model, 
 @pytest.mark.parametrize("var,value", [("LLAMA_MOE_POOL_CAP_MIB", "0"), ("LLAMA_MOE_POOL_RAIL_MIB", "lots"),
                                        ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru"),
                                        ("LLAMA_MOE_POOL_GATE", "on"), ("LLAMA_MOE_POOL_MODE", "turbo"),
-                                       ("LLAMA_MOE_POOL_UPLOADS", "fast"), ("LLAMA_MOE_POOL_STAGING_MIB", "0")])
+                                       ("LLAMA_MOE_POOL_UPLOADS", "fast"), ("LLAMA_MOE_POOL_STAGING_MIB", "0"),
+                                       ("LLAMA_MOE_POOL_PREFETCH", "always")])
 def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, monkeypatch, var, value):
     """The Python layer and llama.cpp's tools (common) read the same knobs, and refuse the same values
     before anything is loaded; libllama itself reads no environment."""
@@ -489,6 +490,8 @@ def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, mon
         assert "expected off, yield or auto" in result.stderr
     if var == "LLAMA_MOE_POOL_UPLOADS":
         assert "expected stream or inline" in result.stderr
+    if var == "LLAMA_MOE_POOL_PREFETCH":
+        assert "expected auto, off or on" in result.stderr
 
 
 def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch):
@@ -615,7 +618,7 @@ def test_auto_size_fills_what_the_ledger_allows(qwen3_model, rpc_server):
     (PoolConfig(slots=-2), "slots"), (PoolConfig(slots=(8, -3)), "-3"), (PoolConfig(slots=8, cap_mib=0), "cap_mib"),
     (PoolConfig(slots=8, rail_mib=-1), "rail_mib"), (PoolConfig(slots=8, profile="/no/such/profile"), "does not exist"),
     (PoolConfig(slots=tuple(range(17))), "1 to 16"), (PoolConfig(slots=8, policy="fifo"), "adaptive, lru"),
-    (PoolConfig(slots=8, gate="on"), "off, yield"),
+    (PoolConfig(slots=8, gate="on"), "off, yield"), (PoolConfig(slots=8, prefetch="always"), "auto, off, on"),
 ])
 def test_bad_pool_configs_are_rejected_in_python(config, needle):
     with pytest.raises(PoolConfigError, match=needle):
@@ -665,6 +668,35 @@ def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rp
         record: list = []
         (recency if policy == "lru" else adaptive)(trace.ids[:, li, :].tolist(), slots, SPEC.n_expert, record=record)
         assert np.array_equal(np.array([r.miss for r in record], bool), trace.miss[:, li, :]), f"layer {layer}"
+
+
+def test_a_trace_recorded_with_prefetch_carries_the_predictions_the_pool_scored(qwen3_model, rpc_server, stream,
+                                                                               tmp_path):
+    """The routing observer reports, with each hybrid step, what the previous layer's step predicted
+    for it; a trace keeps those predictions (and round-trips them through its file), and the lab
+    scores them exactly as the pool did, layer by layer."""
+    from pyllamapool.lab import prefetch
+    from pyllamapool.trace import PoolTraceRecorder, Trace
+
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    ctx = Context(model, pool=PoolConfig(mode="hybrid", slots=4, device_mib=65536, prefetch="on"))
+    recorder = PoolTraceRecorder(ctx)
+    for tok in stream:
+        ctx.decode([tok])
+        recorder.end_step()
+    per_pool = ctx.pool_report(per_pool=True)
+    recorder.detach()
+    ctx.close()
+    model.close()
+    trace = Trace.load(recorder.trace(SPEC.n_expert, SPEC.n_expert_used).save(tmp_path / "t.npz"))
+    assert trace.predicted is not None and trace.predicted.shape == trace.ids.shape
+    # the first pooled layer has no layer before it: nothing is predicted for it
+    assert (trace.predicted[:, 0] == -1).all() and (trace.predicted[:, 1:] >= 0).all()
+    scored = prefetch.scores(trace)
+    for info, c in zip(per_pool.pools, per_pool.pool_counters):
+        s = scored[info.layer]
+        assert (s.predicted, s.used, s.lookups) == (c.predicted, c.predicted_used, c.predicted_lookups), info.tensor
+    assert prefetch.recorded(trace, 1) and all(len(row) == SPEC.n_expert_used for row in prefetch.recorded(trace, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -930,6 +962,52 @@ def test_misses_placed_on_the_device_keep_hybrid_bit_identical(qwen3_model, rpc_
         assert c.placed > 0
     runtime = next(l for l in lines if l.startswith("expert pool runtime"))
     assert f"placed={c.placed} " in runtime, runtime
+
+
+def test_prefetch_keeps_hybrid_bit_identical_and_scores_its_predictions(arch_model, rpc_server, stream,
+                                                                       resident_reference):
+    """Prefetch changes when an expert's bytes go up, never what is computed: with every predicted
+    expert a slot can take uploaded ahead of its step (prefetch on: the RPC device's inline path
+    would not prefetch by itself), the logits stay the resident run's. With the CPU computing every
+    miss and no upload budget both runs are deterministic, so what the prefetch did shows in the
+    counts: experts the device computed that it would not have held."""
+    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    runs = {pf: decode(model, stream, PoolConfig(slots=4, device_mib=65536, mode="hybrid", placement="cpu",
+                                                 upload_frac=0, prefetch=pf)) for pf in ("off", "on")}
+    model.close()
+    for pf, (result, _, status, _) in runs.items():
+        assert status.prefetch == pf and identical(result, resident_reference), pf
+    off, on = runs["off"][1], runs["on"][1]
+    c, o = on.counters, off.counters
+    assert o.predicted == o.prefetched == o.prefetch_hits == 0
+    # every layer after the first is predicted for in every step: the prediction names top-k experts
+    assert c.predicted_lookups > 0 and 0 < c.predicted_used <= min(c.predicted, c.predicted_lookups)
+    assert 0 < c.prefetch_hits <= c.prefetched <= c.uploads
+    assert c.hits > o.hits and c.hits + c.misses == o.hits + o.misses
+    for info, pc in zip(on.pools, on.pool_counters):
+        # the first pooled layer has no layer before it to predict for it
+        assert (pc.predicted == 0) == (info.layer == min(i.layer for i in on.pools)), info.tensor
+        assert pc.prefetch_wasted_bytes == (pc.prefetched - pc.prefetch_hits) * info.slot_bytes, info.tensor
+    line = next(l for l in runs["on"][3] if l.startswith("expert pool prefetch reason=shutdown"))
+    assert (f"prefetch=on predicted={c.predicted} predicted_used={c.predicted_used} " in line and
+            f"prefetched={c.prefetched} prefetch_hits={c.prefetch_hits} "
+            f"prefetch_wasted_bytes={c.prefetch_wasted_bytes}" in line), line
+    assert f"precision={c.prefetch_precision:.4f} recall={c.prefetch_recall:.4f}" in line
+
+
+def test_prefetch_auto_waits_for_uploads_that_run_beside_compute(qwen3_model, rpc_server, stream, monkeypatch):
+    """The default, auto, prefetches only where uploads run beside compute (the stream path): on the
+    RPC device's inline path a prefetch would hold up the compute queue, so nothing is predicted (the
+    graph has no prediction to compute). LLAMA_MOE_POOL_PREFETCH sets it as the other knobs do."""
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
+    _, report, status, lines = decode(model, stream, PoolConfig(slots=4, device_mib=65536, mode="hybrid"))
+    assert status.prefetch == "auto" and status.uploads == "inline"
+    assert "uploads=inline prefetch=auto" in next(l for l in lines if l.startswith("expert pool status="))
+    assert report.counters.predicted == report.counters.prefetched == 0
+    monkeypatch.setenv("LLAMA_MOE_POOL_PREFETCH", "on")
+    _, report, status, _ = decode(model, stream, PoolConfig(slots=4, device_mib=65536, mode="hybrid"))
+    model.close()
+    assert status.prefetch == "on" and report.counters.prefetched > 0
 
 
 def test_the_upload_budget_defers_uploads_and_parity_holds(qwen3_model, rpc_server, stream):

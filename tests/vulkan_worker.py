@@ -180,7 +180,27 @@ def check_uploads(path: str) -> dict:
     return out
 
 
-CHECKS = {"uploads": check_uploads, "parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
+def check_prefetch(path: str) -> dict:
+    """Hybrid's prefetch on a real GPU backend: Vulkan has events and pinned memory, so uploads take the
+    stream path and auto prefetches by itself; on uploads every predicted expert a slot can take. The
+    prefetched experts' copies run on a queue of their own while lavapipe computes: a step that read a
+    slot before its copy landed, or through a table still pointing at a victim, computes with another
+    expert's weights, far outside the two backends' rounding."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(model, STREAM)
+    out = {"logit_std": float(np.mean([np.std(a) for a in stock]))}
+    for prefetch in ("auto", "on"):
+        logits, c, status = greedy(model, STREAM, PoolConfig(slots=6, mode="hybrid", prefetch=prefetch))
+        out[prefetch] = {"uploads_path": status.uploads, "prefetch": status.prefetch, "prefetched": c.prefetched,
+                         "prefetch_hits": c.prefetch_hits, "predicted": c.predicted, "precision": c.prefetch_precision,
+                         "finite": all(bool(np.isfinite(a).all()) for a in logits),
+                         "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(logits, stock)),
+                         **report(c, status)}
+    model.close()
+    return out
+
+
+CHECKS = {"prefetch": check_prefetch, "uploads": check_uploads, "parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
           "gate": check_gate, "two-contexts": check_two_contexts}
 
 if __name__ == "__main__":

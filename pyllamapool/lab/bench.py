@@ -233,3 +233,92 @@ def hybrid_table(seed: int = 0, fraction: float = 0.25, upload_per_step: float =
                      f"{sum(s.uploads for s in hyb) * mib / t:.1f} | {sum(s.misses for s in hyb) / t:.1f} | "
                      f"{sum(s.hits for s in hyb) / lookups:.1%} |")
     return "\n".join(lines) + "\n"
+
+
+#: the machine the modes table prices placement and prefetch on: an RTX 3090 on PCIe 4.0 running a
+#: model with the anchors' shape (48 host-expert layers, ~20 ms of the device's own work per token, as
+#: the multi-GPU fork reports); routing, experts, top-k and expert bytes are the preset's
+MODES_PROFILE = "rtx3090-pcie4"
+MODES_HOST_LAYERS = 48
+MODES_DENSE_MS = 20.0
+#: the columns: ours (copy-on-miss, hybrid before placement, placement without and with prefetch),
+#: llama.cpp's cache as it stands (LRFU; a CPU share of the misses at three shares), and the offline
+#: optimum for a copy-on-miss cache
+MODES_COLUMNS = ("copy", "hybrid-cpu", "hybrid-no-prefetch", "hybrid", "lrfu", "cpu-share 0.25", "cpu-share 0.5",
+                 "cpu-share 0.75", "opt")
+
+
+@dataclass
+class ModesRow:
+    preset: str
+    slots: int
+    slot_fraction: float
+    mode: str
+    upload_mib_per_token: float
+    cpu_experts_per_token: float
+    tokens_per_s: float | None   # predicted on MODES_PROFILE; None for OPT (a bound on bytes, not a mode)
+
+
+def modes_rows(presets: list[str] | None = None, fractions: tuple[float, ...] = (0.125, 0.25, 0.5), seed: int = 0,
+               overlap: float | None = None) -> list[ModesRow]:
+    """Every mode side by side on every preset and slot fraction: MiB uploaded and expert computations
+    on the CPU per token of a 48-layer model, replayed on the preset's routing; placement, prefetch
+    and the upload budget priced on MODES_PROFILE. Prefetch draws its predictions at `overlap` (the
+    published 0.61 by default): the presets route each layer on its own, so there is nothing to
+    predict from in them."""
+    from .. import predict as P
+    from .policies import belady, layer_steps
+    from .prefetch import PUBLISHED_OVERLAP
+
+    overlap = PUBLISHED_OVERLAP if overlap is None else overlap
+    profile = P.PROFILES[MODES_PROFILE]
+    rows: list[ModesRow] = []
+    for name in presets or list(PRESETS):
+        preset = PRESETS[name]
+        routing = P.Routing.from_preset(name, seed)
+        g = P.Geometry(name, MODES_HOST_LAYERS, preset.n_expert, preset.top_k, preset.bytes_per_slot, MODES_DENSE_MS)
+        for slots in slot_counts(preset, fractions):
+            ours = P.predict(g, profile, routing, slots, prefetch_overlap=overlap,
+                             modes=("copy", P.HYBRID_CPU, P.HYBRID_NO_PREFETCH, "hybrid", "lrfu"))
+            shares = [replace_mode(r, f"cpu-share {f:g}") for f in P.UPSTREAM_CPU_SHARES
+                      for r in P.predict(g, profile, routing, slots, modes=("cpu-share",), cpu_shares=(f,))]
+            for r in ours + shares:
+                rows.append(ModesRow(name, slots, slots / preset.n_expert, r.mode, r.upload_mib, r.cpu_experts,
+                                     r.tokens_per_s))
+            opt = [belady(layer_steps(routing_trace_ids(routing), li), slots) for li in range(len(routing.layers))]
+            lookups = sum(s.lookups for s in opt)
+            per_lookup = sum(s.uploads for s in opt) / lookups if lookups else 0.0
+            k = routing.lookups_per_layer_step()
+            rows.append(ModesRow(name, slots, slots / preset.n_expert, "opt",
+                                 MODES_HOST_LAYERS * k * per_lookup * preset.bytes_per_slot / 2**20, 0.0, None))
+    return rows
+
+
+def replace_mode(row, mode: str):
+    """A prediction row under another mode name (one cpu-share setting among several)."""
+    from dataclasses import replace
+    return replace(row, mode=mode)
+
+
+def routing_trace_ids(routing) -> np.ndarray:
+    """A Routing's steps back as trace ids [tokens, layers, top_k] (its layers have equal lengths)."""
+    return np.array([[routing.layers[li][t] for li in range(len(routing.layers))]
+                     for t in range(len(routing.layers[0]))])
+
+
+def modes_markdown(rows: list[ModesRow]) -> str:
+    """`modes_rows` as docs/policy-lab.md's table: per preset and slot count, MiB uploaded / CPU experts
+    per token for each column, and predicted t/s on MODES_PROFILE."""
+    lines = ["| preset | slots | " + " | ".join(MODES_COLUMNS) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in MODES_COLUMNS) + " |"]
+    cells: dict[tuple[str, int], dict[str, ModesRow]] = {}
+    for r in rows:
+        cells.setdefault((r.preset, r.slots), {})[r.mode] = r
+    for (preset, slots), by_mode in cells.items():
+        out = []
+        for mode in MODES_COLUMNS:
+            r = by_mode[mode]
+            tps = "" if r.tokens_per_s is None else f", {r.tokens_per_s:.1f} t/s"
+            out.append(f"{r.upload_mib_per_token:.0f} / {r.cpu_experts_per_token:.0f}{tps}")
+        lines.append(f"| {preset} | {slots} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"

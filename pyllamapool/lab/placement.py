@@ -28,7 +28,9 @@ def uploads_now(hits: int, misses: int, cpu_ms: float, dev_ms: float, up_ms: flo
 
 
 def cost_placement(steps: Steps, n_slots: int, cpu_ms: float, dev_ms: float, up_ms: float,
-                   upload_per_step: float, payback_uses: float, window: int = 16) -> HybridStats:
-    """Hybrid admission with each step's misses placed by cost first (`uploads_now`)."""
+                   upload_per_step: float, payback_uses: float, window: int = 16, prefetch=None) -> HybridStats:
+    """Hybrid admission with each step's misses placed by cost first (`uploads_now`), and with
+    `prefetch` (`lab.prefetch.Prefetch`) each step's predicted misses uploaded ahead of it."""
     return hybrid_admission(steps, n_slots, upload_per_step, payback_uses, window,
-                            now=lambda hits, misses: uploads_now(hits, misses, cpu_ms, dev_ms, up_ms))
+                            now=lambda hits, misses: uploads_now(hits, misses, cpu_ms, dev_ms, up_ms),
+                            prefetch=prefetch)

@@ -335,10 +335,18 @@ class HybridStats(PolicyStats):
     deferred: int = 0      # admitted (it would pay back) but over the upload budget
     uploaded_now: int = 0  # misses uploaded in their own step for the device to compute (`now`)
     cpu: int = 0           # misses the CPU computed
+    # prefetch (`lab.prefetch`): experts predicted for a step, how many of them the step used, the
+    # ones uploaded ahead of it (counted in uploads), and of those the ones the step used (device hits
+    # that only the prefetch made)
+    predicted: int = 0
+    predicted_used: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
 
 
 def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback_uses: float,
-                     window: int = 16, now: Callable[[int, int], int] | None = None) -> HybridStats:
+                     window: int = 16, now: Callable[[int, int], int] | None = None,
+                     prefetch=None) -> HybridStats:
     """Hybrid admission over one layer. A miss runs on the CPU in its step; an upload happens off the
     critical path, within the upload budget (`upload_per_step` uploads per step, accumulated: a
     fraction of the token time over the upload time). An empty slot takes any missed expert. A full
@@ -350,6 +358,10 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
     `now(hits, misses)` (`lab.placement`): how many of the step's misses, the most used lately, are
     uploaded in the step for the device to compute, each taking the slot of the least used resident
     the step does not need; None: none (today's rule).
+
+    `prefetch` (`lab.prefetch`): before each step, experts predicted for it that are not resident are
+    uploaded ahead, as many as the link's idle time allows, into empty slots or those of residents used
+    no more lately than the candidate; None: no prefetch.
     """
     resident: set[int] = set()
     recent: deque[list[int]] = deque(maxlen=window)
@@ -361,12 +373,19 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
     def key(c: int) -> tuple[int, int, int]:
         return uses.get(c, 0), last.get(c, -1), c
 
+    link_prev = 0  # uploads the link carried for this layer's previous step
     for t, step in enumerate(steps):
         want = _distinct(step)
+        ahead: set[int] = set()
+        if prefetch is not None:
+            ahead = prefetch.run(t, want, resident, uses, last, n_slots, link_prev, s)
         s.lookups += len(want)
         missed = [e for e in want if e not in resident]
         s.hits += len(want) - len(missed)
         s.misses += len(missed)
+        used_ahead = sum(1 for e in want if e in ahead)
+        s.prefetch_hits += used_ahead
+        uploads_before = s.uploads - len(ahead)
         if len(recent) == recent.maxlen:
             for e in recent[0]:
                 uses[e] -= 1
@@ -407,6 +426,7 @@ def hybrid_admission(steps: Steps, n_slots: int, upload_per_step: float, payback
                 heapq.heappush(heap, key(e))
             s.uploads += 1
             credit -= 1.0
+        link_prev = s.uploads - uploads_before
     return s
 
 
