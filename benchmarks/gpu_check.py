@@ -15,13 +15,15 @@ and the next one runs:
  1. upload         host -> device bandwidth, pageable and pinned, and one small copy's latency
  2. first-card     stock, then hybrid and copy (default uploads) at each -mec on an emulated 16 GB card
  3. upstream-first llama.cpp's --moe-cache-mib at each copy pool's device bytes (equal memory)
- 4. auto-first     -mec auto on the first card (sized by itself, standing down where stock is faster)
- 5. inline-first   hybrid and copy with uploads=inline
- 6. other-cards    hybrid, copy, upstream's cache and -mec auto on the other emulated cards (24 GB)
- 7. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
- 8. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
- 9. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
-10. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
+ 4. hybrid-rules   hybrid without prefetch, and with the CPU computing every miss (the rules before
+                   placement and prefetch), at each -mec on the first card
+ 5. auto-first     -mec auto on the first card (sized by itself, standing down where stock is faster)
+ 6. inline-first   hybrid and copy with uploads=inline
+ 7. other-cards    hybrid, copy, upstream's cache and -mec auto on the other emulated cards (24 GB)
+ 8. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
+ 9. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
+10. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
+11. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
 
 then `pyllamapool predict` with the profile this run measured beside every measured row. It writes the
 JSON (schema pyllamapool.gpu-check/2) after every step, so a run cut short keeps what it measured, and
@@ -246,6 +248,10 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
             "cpu_experts": c.cpu_experts, "cpu_experts_per_token": c.cpu_experts / max(1, n_tokens),
             "deferred": c.deferred, "syncs_per_token": c.syncs_per_token,
             "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0,
+            # hybrid: misses placed on the device in their step, and prefetch (per token, and its precision)
+            "placed_per_token": c.placed / max(1, n_tokens), "prefetched_per_token": c.prefetched / max(1, n_tokens),
+            "prefetch_hits_per_token": c.prefetch_hits / max(1, n_tokens),
+            "prefetch_precision": c.prefetch_precision, "prefetch_recall": c.prefetch_recall,
             # -mec auto: the share of the pool's steps it ran on the stock path
             "stock_share": c.stood_down_steps / max(1, c.steps + c.stood_down_steps)}
 
@@ -292,6 +298,23 @@ def _upstream(c: Check, step: str, card: int) -> None:
 
 def step_upstream_first(c: Check) -> None:
     _upstream(c, "upstream-first", c.args.card_mib[0])
+
+
+#: hybrid's rules before the default's: (label, placement, prefetch); the label is predict's mode
+HYBRID_RULES = (("hybrid-no-prefetch", None, "off"), ("hybrid-cpu", "cpu", "off"))
+
+
+def step_hybrid_rules(c: Check) -> None:
+    """What placement by cost and prefetch each add on this card: the default's first-card runs beside
+    hybrid without prefetch and hybrid with the CPU computing every miss."""
+    from pyllamapool.pool import PoolConfig
+
+    card = c.args.card_mib[0]
+    for mec in c.args.mec:
+        for label, placement, prefetch in HYBRID_RULES:
+            c.decode("hybrid-rules", label, "offloaded", mec, card,
+                     pool=PoolConfig(slots=mec, device_mib=card, mode="hybrid", placement=placement,
+                                     prefetch=prefetch, uploads=_first_card_uploads(c)))
 
 
 def _auto(c: Check, step: str, card: int) -> None:
@@ -430,7 +453,8 @@ def step_predict(c: Check) -> None:
         return
     routing = c.est.routing
     for r in c.rows:
-        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream", "auto") or \
+        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream", "auto",
+                                                      *(label for label, _, _ in HYBRID_RULES)) or \
                 (r["mode"] != "stock" and r.get("status") == "disabled"):
             continue
         mode = {"upstream": "merged-lru"}.get(r["mode"], r["mode"])
@@ -450,6 +474,8 @@ STEPS = (
         c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")) + c.est.load_s(), step_card_first),
     Step("upstream-first", "llama.cpp's --moe-cache-mib at equal memory", lambda c: sum(
         c.est.run_s("upstream", mec) for mec in c.args.mec) + c.est.load_s(), step_upstream_first),
+    Step("hybrid-rules", "hybrid without prefetch, and with every miss on the CPU", lambda c: sum(
+        c.est.run_s(label, mec) for mec in c.args.mec for label, _, _ in HYBRID_RULES), step_hybrid_rules),
     Step("auto-first", "-mec auto on the first card", lambda c: c.est.run_s("hybrid", max(c.args.mec)),
          step_auto_first),
     Step("inline-first", "copy and hybrid with uploads=inline", lambda c: sum(

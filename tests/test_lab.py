@@ -228,9 +228,9 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["schema"] == "pyllamapool.gpu-check/2" and report["device"]["name"].startswith("RPC")
-    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "auto-first",
-                                                     "inline-first", "other-cards", "resident", "parity",
-                                                     "parity-types", "cxx-runtime"]
+    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "hybrid-rules",
+                                                     "auto-first", "inline-first", "other-cards", "resident",
+                                                     "parity", "parity-types", "cxx-runtime"]
     assert all(s["status"] == "done" and s["wall_s"] >= 0 and s["est_s"] > 0 for s in report["steps"])
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
     rows = report["rows"]
@@ -241,6 +241,9 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert rows[0]["mode"] == "stock"
     assert sorted((r["mode"], r["mec"]) for r in by_step["first-card"][1:]) == [
         ("copy", 4), ("copy", 8), ("hybrid", 4), ("hybrid", 8)]
+    # hybrid's earlier rules beside the default on the first card: without prefetch, every miss on the CPU
+    assert sorted((r["mode"], r["mec"]) for r in by_step["hybrid-rules"]) == [
+        ("hybrid-cpu", 4), ("hybrid-cpu", 8), ("hybrid-no-prefetch", 4), ("hybrid-no-prefetch", 8)]
     # the small card admits no pool (or only one the rail limits); the big one admits every -mec
     assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in by_step["first-card"][1:])
     big = [r for r in by_step["other-cards"] if r["mode"] in ("copy", "hybrid")]
