@@ -334,13 +334,14 @@ def test_the_predict_page_shows_the_validation_and_the_predicted_modes_as_comput
 
 
 def test_the_readmes_which_mode_table_quotes_the_predicted_modes():
-    """The README's short card table carries the ratios docs/predict.md computes for each anchor."""
+    """The README's short card table carries the ratios docs/predict.md computes for each anchor:
+    hybrid with pinned experts, hybrid from mmap'd pages, and copy."""
     readme = (ROOT / "README.md").read_text()
-    rows: dict[str, list[tuple[float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float]]] = {}
     for line in P.readme_table().splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         ratio = lambda cell: float(cell.split("(")[1].rstrip("x)"))  # noqa: E731
-        rows.setdefault(cells[0], []).append((ratio(cells[3]), ratio(cells[4])))  # copy, hybrid
+        rows.setdefault(cells[0], []).append((ratio(cells[3]), ratio(cells[4]), ratio(cells[5])))
 
     def span(values: list[float]) -> str:
         lo, hi = min(values), max(values)
@@ -350,12 +351,10 @@ def test_the_readmes_which_mode_table_quotes_the_predicted_modes():
               "4090-qwen38-curve": "RTX 4090"}
     for anchor, machine in quoted.items():
         line = next(l for l in readme.splitlines() if l.startswith("|") and machine in l)
-        copy, hybrid = [c for c, _ in rows[anchor]], [h for _, h in rows[anchor]]
-        assert f"hybrid {span(hybrid)}" in line and f"copy {span(copy)}" in line, (anchor, line)
-        # the mode the table names wins at every slot count of that machine
-        pairs = rows[anchor]
-        winner = "hybrid" if all(h > c for c, h in pairs) else "copy" if all(c > h for c, h in pairs) else None
-        assert winner and f"| {winner} |" in line, (anchor, line)
+        copy, mapped, pinned = ([r[i] for r in rows[anchor]] for i in range(3))
+        assert f"hybrid {span(pinned)} pinned, {span(mapped)} mmap'd; copy {span(copy)}" in line, (anchor, line)
+        # the choice the table names wins at every slot count of that machine
+        assert all(p >= max(c, m) for c, m, p in rows[anchor]) and "| hybrid, experts pinned |" in line, (anchor, line)
 
 
 def test_auto_plays_the_arbiters_rules_faster_side_first_probes_cheap():

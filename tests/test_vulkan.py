@@ -50,8 +50,10 @@ def test_pooled_experts_equal_the_host_copy_path_under_heavy_eviction(make_model
 
 
 def test_pinned_host_experts_pool_on_vulkan(qwen3_model):
+    """-lm none keeps the host experts in Vulkan's pinned host memory: stream uploads copy straight from
+    there (no staging), bit-identical to the host-copy path."""
     r = on_vulkan("pinned", qwen3_model)
-    assert r["enabled"] and r["evictions"] > 0, r
+    assert r["enabled"] and r["evictions"] > 0 and r["uploads_path"] == "stream" and r["uploads"] > 0, r
     assert r["pooled_equals_host_copy"], r
 
 

@@ -70,12 +70,15 @@ def check_parity(path: str) -> dict:
 
 
 def check_pinned(path: str) -> dict:
-    """-lm none: host experts in Vulkan_Host (pinned) memory."""
+    """-lm none: host experts in Vulkan_Host (pinned) memory, which the stream path copies from without
+    a gather into staging; with the copy from the pinned host tensors at the same place in the upload
+    queue's order, copy mode stays the host-copy path's bits."""
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99, use_mmap=False)
     stock, *_ = greedy(model, STREAM)
     pooled, counters, status = greedy(model, STREAM, PoolConfig(slots=4, mode="copy"))
     model.close()
-    return {"pooled_equals_host_copy": same(pooled, stock), **report(counters, status)}
+    return {"pooled_equals_host_copy": same(pooled, stock), "uploads_path": status.uploads,
+            "uploads": counters.uploads, **report(counters, status)}
 
 
 def check_two_sequences(path: str) -> dict:

@@ -15,22 +15,24 @@ from __future__ import annotations
 from .policies import HybridStats, Steps, hybrid_admission
 
 
-def uploads_now(hits: int, misses: int, cpu_ms: float, dev_ms: float, up_ms: float) -> int:
+def uploads_now(hits: int, misses: int, cpu_ms: float, dev_ms: float, up_ms: float, host_ms: float = 0.0) -> int:
     """How many of a step's misses to upload for the device, so that the slower of the device's side
     (hits and the uploaded misses, each an upload and a matmul) and the CPU's (the rest) is fastest;
-    the fewest uploads among equals."""
+    the fewest uploads among equals. `host_ms`: the gather of one expert into staging, which both
+    sides wait for (0 where the experts sit in pinned memory and are copied from there)."""
     best, best_ms = 0, max(hits * dev_ms, misses * cpu_ms)
     for u in range(1, misses + 1):
-        ms = max(hits * dev_ms + u * (up_ms + dev_ms), (misses - u) * cpu_ms)
+        ms = u * host_ms + max(hits * dev_ms + u * (up_ms + dev_ms), (misses - u) * cpu_ms)
         if ms < best_ms:
             best, best_ms = u, ms
     return best
 
 
 def cost_placement(steps: Steps, n_slots: int, cpu_ms: float, dev_ms: float, up_ms: float,
-                   upload_per_step: float, payback_uses: float, window: int = 16, prefetch=None) -> HybridStats:
+                   upload_per_step: float, payback_uses: float, window: int = 16, prefetch=None,
+                   host_ms: float = 0.0) -> HybridStats:
     """Hybrid admission with each step's misses placed by cost first (`uploads_now`), and with
     `prefetch` (`lab.prefetch.Prefetch`) each step's predicted misses uploaded ahead of it."""
     return hybrid_admission(steps, n_slots, upload_per_step, payback_uses, window,
-                            now=lambda hits, misses: uploads_now(hits, misses, cpu_ms, dev_ms, up_ms),
+                            now=lambda hits, misses: uploads_now(hits, misses, cpu_ms, dev_ms, up_ms, host_ms),
                             prefetch=prefetch)

@@ -8,9 +8,11 @@ on the device for their bytes. The rule here is the engine's:
 
 - **how many**: as many as the link can carry before the next layer's step, after what it already
   carries (the placed and admitted uploads of the step before);
+- **whether at all**: where the prediction's precision times what a CPU expert costs exceeds the
+  gather of one expert into staging (nothing where the experts sit in pinned memory);
 - **into which slots**: an empty one, or the one of a resident used no more often over the admission
-  window than the candidate (the prediction counts as one more use, so a wrong guess evicts only
-  experts nobody used more lately);
+  window than the candidate and not predicted itself (the prediction counts as one more use, so a wrong
+  guess evicts only experts nobody used more lately);
 - **which first**: the candidates used most lately.
 
 A prediction's quality is the share of a step's selected experts it names (`overlap`: 0.61 for
@@ -58,6 +60,9 @@ class Prefetch:
     what the link carried for this layer's previous step. None: no limit (prefetch forced on)."""
     predicted: Sequence[Sequence[int]]
     window_uploads: float | None = None
+    #: the engine's auto rule: a prefetched expert saves the step a CPU expert when the prediction is
+    #: right, and costs its gather into staging now; False: predictions are scored, nothing is fetched
+    on: bool = True
 
     def room(self, link_prev: int) -> int:
         if self.window_uploads is None:
@@ -71,16 +76,19 @@ class Prefetch:
         named = _distinct(self.predicted[t]) if t < len(self.predicted) else []
         s.predicted += len(named)
         s.predicted_used += len(set(named) & set(want))
+        if not self.on:
+            return set()
         candidates = sorted((e for e in named if e not in resident), key=lambda e: -uses.get(e, 0))
         ahead: set[int] = set()
         heap: list[tuple[int, int, int]] | None = None
         for e in candidates[:self.room(link_prev)]:
             if len(resident) >= n_slots:
                 if heap is None:
-                    heap = [(uses.get(c, 0), last.get(c, -1), c) for c in resident]
+                    # a resident the prediction names stays: the step is expected to use it
+                    heap = [(uses.get(c, 0), last.get(c, -1), c) for c in resident if c not in named]
                     heapq.heapify(heap)
                 if not heap or heap[0][0] > uses.get(e, 0):
-                    continue
+                    break  # candidates come most used first: a later one clears no lower bar
                 resident.remove(heapq.heappop(heap)[2])
                 s.evictions += 1
             resident.add(e)
@@ -125,6 +133,16 @@ def scores(trace) -> dict[int, Score]:
             lookups += len(want)
         out[layer] = Score(predicted, used, lookups)
     return out
+
+
+def precision(predicted: Sequence[Sequence[int]], steps: Steps) -> float:
+    """The share of the experts named for each step that the step selected."""
+    named = used = 0
+    for p, step in zip(predicted, steps):
+        distinct = set(_distinct(p))
+        named += len(distinct)
+        used += len(distinct & set(step))
+    return used / named if named else 0.0
 
 
 def recorded(trace, layer_index: int) -> list[list[int]]:
