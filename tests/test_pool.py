@@ -989,7 +989,7 @@ def test_prefetch_keeps_hybrid_bit_identical_and_scores_its_predictions(arch_mod
         assert (pc.predicted == 0) == (info.layer == min(i.layer for i in on.pools)), info.tensor
         assert pc.prefetch_wasted_bytes == (pc.prefetched - pc.prefetch_hits) * info.slot_bytes, info.tensor
     line = next(l for l in runs["on"][3] if l.startswith("expert pool prefetch reason=shutdown"))
-    assert (f"prefetch=on predicted={c.predicted} predicted_used={c.predicted_used} " in line and
+    assert (f"prefetch=on side=- predicted={c.predicted} predicted_used={c.predicted_used} " in line and
             f"prefetched={c.prefetched} prefetch_hits={c.prefetch_hits} "
             f"prefetch_wasted_bytes={c.prefetch_wasted_bytes}" in line), line
     assert f"precision={c.prefetch_precision:.4f} recall={c.prefetch_recall:.4f}" in line

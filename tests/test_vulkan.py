@@ -129,12 +129,14 @@ def test_uploads_take_the_stream_path_on_vulkan_and_equal_the_host_copy_path(mak
 
 
 def test_prefetched_experts_land_before_lavapipe_computes_them(make_model):
-    """Prefetch on Vulkan: auto prefetches by itself on the stream path, and with it or with prefetch on
-    the logits stay within the two backends' rounding of the host-copy path (F32 experts, as in the
-    hybrid test): an expert read before its copy landed would be far outside it."""
+    """Prefetch on Vulkan: with prefetch on, and with auto (which times steps with and without it and
+    says which it keeps), the logits stay within the two backends' rounding of the host-copy path (F32
+    experts, as in the hybrid test): an expert read before its copy landed would be far outside it."""
     r = on_vulkan("prefetch", make_model(expert_type="F32"))
     for key in ("auto", "on"):
         run = r[key]
         assert run["enabled"] and run["uploads_path"] == "stream" and run["prefetch"] == key, run
-        assert run["predicted"] > 0 and run["prefetched"] > 0 and 0 < run["prefetch_hits"] <= run["prefetched"], run
+        assert run["predicted"] > 0, run
         assert run["finite"] and run["max_abs_diff"] < 1e-3 * r["logit_std"], (key, run)
+    assert r["on"]["prefetched"] > 0 and 0 < r["on"]["prefetch_hits"] <= r["on"]["prefetched"], r["on"]
+    assert r["auto"]["verdict"].startswith("expert pool prefetch=auto side="), r["auto"]

@@ -193,8 +193,12 @@ def check_prefetch(path: str) -> dict:
     stock, *_ = greedy(model, STREAM)
     out = {"logit_std": float(np.mean([np.std(a) for a in stock]))}
     for prefetch in ("auto", "on"):
-        logits, c, status = greedy(model, STREAM, PoolConfig(slots=6, mode="hybrid", prefetch=prefetch))
+        ctx = Context(model, pool=PoolConfig(slots=6, mode="hybrid", prefetch=prefetch))
+        logits = run_context(ctx, STREAM[:8], 0, teacher_tokens=STREAM[8:], keep_logits=True).logits
+        c, status = ctx.pool_counters(), ctx.pool_status(0)
+        ctx.close()
         out[prefetch] = {"uploads_path": status.uploads, "prefetch": status.prefetch, "prefetched": c.prefetched,
+                         "verdict": next((l for l in ctx.pool_lines() if l.startswith("expert pool prefetch=auto")), ""),
                          "prefetch_hits": c.prefetch_hits, "predicted": c.predicted, "precision": c.prefetch_precision,
                          "finite": all(bool(np.isfinite(a).all()) for a in logits),
                          "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(logits, stock)),
