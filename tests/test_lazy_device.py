@@ -65,6 +65,19 @@ def test_the_model_runs_on_the_lazy_device(qwen3_model):
     assert status.enabled and status.device.startswith("LAZY")
 
 
+def test_where_the_device_skips_ids_hybrid_allocates_no_zero_slot(qwen3_model, stream):
+    """The device skips the CPU's rows itself: a miss maps to -1, and the pools carry only the padding."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    ctx = Context(model, pool=pool(slots=6, mode="hybrid"))
+    report = ctx.pool_report(per_pool=True)
+    status = ctx.pool_status(0)
+    ctx.close()
+    model.close()
+    assert status.mode == "hybrid"
+    assert report.pools and all(i.slots == 6 and i.slots_alloc == 7 for i in report.pools)
+    assert status.bytes == sum(i.slots_alloc * i.slot_bytes for i in report.pools)
+
+
 @pytest.mark.parametrize("uploads", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])

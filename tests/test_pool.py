@@ -403,7 +403,8 @@ def test_this_cpu_repacks_q4_0_experts(make_model, rpc_server):
     assert repacked, "this CPU does not repack Q4_0: the repacked-upload path is not exercised"
 
 
-@pytest.mark.parametrize("mode,pad", [("copy", 1), ("hybrid", 2)])  # hybrid: the zero slot, then the padding
+# hybrid on RPC: the zero slot (the RPC backend does not skip ids), then the padding
+@pytest.mark.parametrize("mode,pad", [("copy", 1), ("hybrid", 2)])
 def test_pools_are_padded_past_the_last_usable_slot(qwen3_model, rpc_server, mode, pad):
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536, mode=mode))
@@ -416,6 +417,14 @@ def test_pools_are_padded_past_the_last_usable_slot(qwen3_model, rpc_server, mod
     # the padding is in the admitted bytes and in what was allocated
     assert status.bytes == sum(i.slots_alloc * i.slot_bytes for i in report.pools)
     assert status.bytes <= pool_bytes <= status.bytes + len(report.pools) * 256
+
+
+def test_hybrid_layers_whose_device_does_not_skip_ids_say_they_use_the_zero_slot(qwen3_model, rpc_server, stream):
+    model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    *_, lines = decode(model, stream, PoolConfig(slots=6, device_mib=65536, mode="hybrid"))
+    model.close()
+    line = next(l for l in lines if l.startswith("expert pool layers mode=hybrid reason=zero-slot"))
+    assert f"count={SPEC.n_layer}" in line
 
 
 def test_a_request_below_top_k_says_so_however_much_room_there_is(qwen3_model, rpc_server):
