@@ -5,6 +5,8 @@ follow the telemetry lines (`expert pool status=... requested_slots=... limited_
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -15,6 +17,10 @@ from .errors import PyllamapoolError
 
 LIMITS = ("slots", "rail", "cap")
 MAX_DEVICES = 16
+#: the largest weight a profile's layer may have (libllama takes them as C floats)
+FLT_MAX = 3.4028234663852886e38
+
+log = logging.getLogger(__name__)
 
 
 class PoolConfigError(PyllamapoolError):
@@ -54,6 +60,34 @@ ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
 BATCH_CLASSES = ("1", "2-8", "9-32", "33+")
+
+
+def parse_layer_profile(text: str) -> tuple[list[float], list[str]]:
+    """A profile's `blk.<layer> <weight>` lines ('#' starts a comment) as a weight per layer, by layer
+    index, 1 for the layers it does not list, and the problems found, each naming its line: a line
+    that does not parse is ignored, a weight that is not a positive float counts as 1. The same rules
+    as common's reader (common_moe_pool_parse_profile): libllama takes the weights, not the file."""
+    weights: list[float] = []
+    problems: list[str] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        fields = raw.split("#", 1)[0].split()
+        if not fields:
+            continue
+        index = fields[0][4:] if fields[0].startswith("blk.") else ""
+        layer = int(index) if index.isascii() and index.isdigit() else -1
+        if not 0 <= layer < 1 << 20 or len(fields) != 2:
+            problems.append(f"line {lineno}: expected `blk.<layer> <weight>`; line ignored ({raw!r})")
+            continue
+        weights.extend([1.0] * (layer + 1 - len(weights)))
+        try:
+            weight = float(fields[1])
+        except ValueError:
+            weight = math.nan
+        if not 0 < weight <= FLT_MAX:
+            problems.append(f"line {lineno}: the weight is not a positive number; weight 1 used ({raw!r})")
+            weight = 1.0
+        weights[layer] = weight
+    return weights or [1.0], problems
 
 
 def _code(what: str, value: str | int, codes: dict[str, int]) -> int:
@@ -274,6 +308,13 @@ class PoolConfig:
             params.n_device_mib = len(sizes)
             for i, v in enumerate(sizes):
                 params.device_mib[i] = v
+        if config.profile is not None:
+            weights, problems = parse_layer_profile(Path(config.profile).read_text(errors="replace"))
+            for problem in problems:
+                log.warning("expert pool: profile %s: %s", config.profile, problem)
+            array = ffi.new("float[]", weights)
+            keep.append(array)
+            params.layer_weights, params.n_layer_weights = array, len(weights)
         for name, value in (("profile", config.profile), ("hotset", config.hotset), ("model_path", model_path)):
             if value is not None:
                 text = ffi.new("char[]", str(value).encode())

@@ -9,7 +9,7 @@ import pytest
 
 from pyllamapool.decode import run_context
 from pyllamapool.llama import Context, Model
-from pyllamapool.pool import PoolConfig, PoolConfigError, Policy
+from pyllamapool.pool import PoolConfig, PoolConfigError, Policy, parse_layer_profile
 from pyllamapool.tools import tool_path
 from rpc_fault import AllocRefusingProxy
 from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
@@ -535,6 +535,32 @@ def test_weighted_profile_shares_the_same_bytes(qwen3_model, rpc_server, tmp_pat
     statuses_eq, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(mode="copy", slots=8, device_mib=65536, profile=equal))
     statuses_u, *_ = pool_status(qwen3_model, [rpc_server.endpoint], PoolConfig(mode="copy", slots=8, device_mib=65536))
     assert (statuses_eq[0].bytes, statuses_eq[0].total_slots) == (statuses_u[0].bytes, statuses_u[0].total_slots)
+
+
+def test_a_profile_is_read_into_layer_weights_and_its_bad_lines_weigh_one():
+    weights, problems = parse_layer_profile("# weights\nblk.2 2.5  # hot\nblk.0 -1\nblk.x 3\nblk.1 0.5 extra\n"
+                                            "blk.3 1e39\n\nblk.2 4\n")
+    assert weights == [1.0, 1.0, 4.0, 1.0]  # listed again: the last weight wins; blk.1 was ignored
+    assert [p.split(":")[0] for p in problems] == ["line 3", "line 4", "line 5", "line 6"]
+    assert parse_layer_profile("# nothing\n") == ([1.0], [])
+
+
+def test_the_pool_takes_layer_weights_not_a_file_name(qwen3_model, rpc_server, tmp_path):
+    # libllama reads no profile file: a profile named without its weights is refused, not ignored
+    class NameOnly(PoolConfig):
+        def to_c(self, ffi, keep, model_path=None):
+            params = super().to_c(ffi, keep, model_path)
+            params.layer_weights, params.n_layer_weights = ffi.NULL, 0
+            return params
+
+    profile = tmp_path / "profile.txt"
+    profile.write_text("blk.0 2\n")
+    statuses, lines, _, _ = pool_status(qwen3_model, [rpc_server.endpoint],
+                                        NameOnly(mode="copy", slots=8, device_mib=65536, profile=profile))
+    assert not statuses[0].enabled and statuses[0].reason == "invalid-config"
+    named, *_ = pool_status(qwen3_model, [rpc_server.endpoint],
+                            PoolConfig(mode="copy", slots=8, device_mib=65536, profile=profile))
+    assert named[0].enabled and named[0].alloc == "weighted" and named[0].profile == str(profile)
 
 
 def test_a_profile_can_come_from_the_environment(qwen3_model, rpc_server, tmp_path, monkeypatch):

@@ -232,6 +232,23 @@ def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_ser
     assert result.stderr.count("expert pool status=enabled") == 1  # -mec 0: no pool at all
 
 
+def test_llama_bench_reads_the_profile_named_in_the_environment_and_refuses_one_it_cannot_read(
+        qwen3_model, rpc_server, tmp_path):
+    profile = tmp_path / "profile.txt"
+    profile.write_text("blk.0 0.5\nblk.1 two\nblk.3 4\n")
+    argv = [str(tool_path("llama-bench")), "-m", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99",
+            "-ncmoe", "99", "-mec", "8", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-v"]
+    env = {**os.environ, "LLAMA_MOE_POOL_DEVICE_MIB": "65536", "LLAMA_MOE_POOL_PROFILE": str(profile)}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"expert pool: profile {profile}: line 2: the weight is not a positive number" in result.stderr
+    status = next(l for l in result.stderr.splitlines() if "expert pool status=enabled" in l)
+    assert "alloc=weighted" in status and f"profile={profile}" in status
+    missing = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                             env={**env, "LLAMA_MOE_POOL_PROFILE": str(tmp_path / "none.txt")})
+    assert missing.returncode != 0 and f"profile {tmp_path / 'none.txt'} cannot be read" in missing.stderr
+
+
 def test_llama_bench_crosses_the_slot_count_with_micro_batch_sizes_and_prompt_plus_generation(qwen3_model,
                                                                                               rpc_server):
     """-mec with -ub sweeps and -pg (a prompt, then generation in the same test): the pool's effect on
