@@ -5,6 +5,7 @@ follow the telemetry lines (`expert pool status=... requested_slots=... limited_
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -17,9 +18,6 @@ from .errors import PyllamapoolError
 
 LIMITS = ("slots", "rail", "cap")
 MAX_DEVICES = 16
-#: the largest weight a profile's layer may have (libllama takes them as C floats)
-FLT_MAX = 3.4028234663852886e38
-
 log = logging.getLogger(__name__)
 
 
@@ -65,27 +63,33 @@ BATCH_CLASSES = ("1", "2-8", "9-32", "33+")
 def parse_layer_profile(text: str) -> tuple[list[float], list[str]]:
     """A profile's `blk.<layer> <weight>` lines ('#' starts a comment) as a weight per layer, by layer
     index, 1 for the layers it does not list, and the problems found, each naming its line: a line
-    that does not parse is ignored, a weight that is not a positive float counts as 1. The same rules
-    as common's reader (common_moe_pool_parse_profile): libllama takes the weights, not the file."""
+    that does not parse is ignored, a weight that is not a positive float counts as 1, a layer listed
+    again takes the last weight. The same rules as common's reader (common_moe_pool_parse_profile):
+    libllama takes the weights, not the file."""
     weights: list[float] = []
+    listed: set[int] = set()
     problems: list[str] = []
     for lineno, raw in enumerate(text.splitlines(), 1):
+        raw = raw.rstrip(" \t\r")
         fields = raw.split("#", 1)[0].split()
         if not fields:
             continue
         index = fields[0][4:] if fields[0].startswith("blk.") else ""
         layer = int(index) if index.isascii() and index.isdigit() else -1
-        if not 0 <= layer < 1 << 20 or len(fields) != 2:
+        if not 0 <= layer < 1 << 16 or len(fields) != 2:
             problems.append(f"line {lineno}: expected `blk.<layer> <weight>`; line ignored ({raw!r})")
             continue
-        weights.extend([1.0] * (layer + 1 - len(weights)))
         try:
-            weight = float(fields[1])
+            weight = ctypes.c_float(float(fields[1])).value  # what libllama gets: a C float
         except ValueError:
             weight = math.nan
-        if not 0 < weight <= FLT_MAX:
+        if not 0 < weight < math.inf:
             problems.append(f"line {lineno}: the weight is not a positive number; weight 1 used ({raw!r})")
             weight = 1.0
+        weights.extend([1.0] * (layer + 1 - len(weights)))
+        if layer in listed:
+            problems.append(f"line {lineno}: the layer is listed again; the last weight wins ({raw!r})")
+        listed.add(layer)
         weights[layer] = weight
     return weights or [1.0], problems
 

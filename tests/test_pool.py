@@ -539,9 +539,10 @@ def test_weighted_profile_shares_the_same_bytes(qwen3_model, rpc_server, tmp_pat
 
 def test_a_profile_is_read_into_layer_weights_and_its_bad_lines_weigh_one():
     weights, problems = parse_layer_profile("# weights\nblk.2 2.5  # hot\nblk.0 -1\nblk.x 3\nblk.1 0.5 extra\n"
-                                            "blk.3 1e39\n\nblk.2 4\n")
-    assert weights == [1.0, 1.0, 4.0, 1.0]  # listed again: the last weight wins; blk.1 was ignored
-    assert [p.split(":")[0] for p in problems] == ["line 3", "line 4", "line 5", "line 6"]
+                                            "blk.3 1e39\r\nblk.4 1e-50\n\nblk.2 4\n")
+    assert weights == [1.0, 1.0, 4.0, 1.0, 1.0]  # listed again: the last weight wins; blk.1 was ignored
+    assert [p.split(":")[0] for p in problems] == ["line 3", "line 4", "line 5", "line 6", "line 7", "line 9"]
+    assert "listed again" in problems[-1] and "\\r" not in problems[4]
     assert parse_layer_profile("# nothing\n") == ([1.0], [])
 
 
