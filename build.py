@@ -5,7 +5,7 @@ import sys
 
 # the driver is what rebuilds stale libraries: no stale-build warning on its own import
 os.environ.setdefault("PYLLAMAPOOL_NO_STALE_WARNING", "1")
-from pyllamapool.driver import main  # noqa: E402
+from pyllamapool.native.driver import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

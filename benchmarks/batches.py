@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pyllamapool.llama import Context, Model, add_rpc_server  # noqa: E402
-from pyllamapool.pool import BATCH_CLASSES, PoolConfig  # noqa: E402
-from pyllamapool.rpc import start_rpc_server  # noqa: E402
-from pyllamapool.testmodel import ModelSpec, StreamSpec, cached_model, token_stream  # noqa: E402
+from pyllamapool.binding.llama import Context, Model, add_rpc_server  # noqa: E402
+from pyllamapool.binding.pool import BATCH_CLASSES, PoolConfig  # noqa: E402
+from pyllamapool.run.rpc import start_rpc_server  # noqa: E402
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, cached_model, token_stream  # noqa: E402
 
 SPEC = ModelSpec(n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=256)
 CYCLE = (1, 4, 8, 16, 32, 48)

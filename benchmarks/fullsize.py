@@ -4,7 +4,7 @@
     python benchmarks/fullsize.py                          # qwen3-30b-a3b: 17 GB, then deleted
     python benchmarks/fullsize.py --trace 128 --json out.json
 
-Writes the shape's model (pyllamapool.fullsize) into --dir, and reports seconds per GB (into the page
+Writes the shape's model (pyllamapool.run.fullsize) into --dir, and reports seconds per GB (into the page
 cache, as the GPU check writes it; `--fsync` adds the disk's own flush). With --trace N it decodes N
 teacher-forced tokens on the CPU (llama.cpp, every expert on the host), records the router's picks and
 replays them through a per-layer LRU at the slot counts the calibrated preset was published with.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from pyllamapool.fullsize import SHAPES, shape, write_fullsize_model
+    from pyllamapool.run.fullsize import SHAPES, shape, write_fullsize_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
@@ -73,9 +73,9 @@ def trace_routing(path: Path, spec, n_tokens: int, preset_name: str) -> dict:
 
     from pyllamapool.lab import policies
     from pyllamapool.lab.synth import PRESETS
-    from pyllamapool.llama import Model
-    from pyllamapool.testmodel import StreamSpec, token_stream
-    from pyllamapool.trace import locality, record_trace
+    from pyllamapool.binding.llama import Model
+    from pyllamapool.run.testmodel import StreamSpec, token_stream
+    from pyllamapool.run.trace import locality, record_trace
 
     stream = token_stream(spec, StreamSpec(n_tokens=n_tokens + 8, seed=11))
     t = time.perf_counter()

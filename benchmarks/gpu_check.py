@@ -79,7 +79,7 @@ class Estimator:
     _ms: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pyllamapool import predict as P
+        from pyllamapool.lab import predict as P
 
         s = self.spec
         self.expert_bytes = P._expert_bytes_of_spec(s.__dict__)
@@ -95,7 +95,7 @@ class Estimator:
         self.context_s = 0.3 if self.testbed else 1.0   # context, KV cache and pool allocation, warm-up
 
     def ms_per_token(self, mode: str, mec: int = 0) -> float:
-        from pyllamapool import predict as P
+        from pyllamapool.lab import predict as P
 
         if mode == "auto":  # the faster of stock and the pool, plus probing: at most about stock's time
             return 1.1 * self.ms_per_token("stock")
@@ -153,7 +153,7 @@ class Check:
     """One run of the check: the model, the sessions, the report, the clock."""
 
     def __init__(self, args, console) -> None:
-        from pyllamapool.fullsize import shape
+        from pyllamapool.run.fullsize import shape
 
         self.args, self.console = args, console
         self.t0 = time.perf_counter()
@@ -177,8 +177,8 @@ class Check:
 
     # sessions, loaded on first use and kept for the run
     def session(self, kind: str):
-        from pyllamapool.offload import Offload
-        from pyllamapool.session import PoolSession
+        from pyllamapool.run.offload import Offload
+        from pyllamapool.run.session import PoolSession
 
         if kind not in self._sessions:
             offload = {"offloaded": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048),
@@ -257,14 +257,14 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
 
 
 def step_upload(c: Check) -> None:
-    from pyllamapool.measure import measure_link
+    from pyllamapool.run.measure import measure_link
 
     c.report["upload"] = measure_link(c.device.name, mib=c.args.upload_mib)
     c.console.print(f"  upload: {c.report['upload']}")
 
 
 def _card_runs(c: Check, step: str, card: int, modes: tuple[str, ...], uploads: str | None) -> None:
-    from pyllamapool.pool import PoolConfig
+    from pyllamapool.binding.pool import PoolConfig
 
     for mec in c.args.mec:
         for mode in modes:
@@ -284,7 +284,7 @@ def step_card_first(c: Check) -> None:
 
 
 def _upstream(c: Check, step: str, card: int) -> None:
-    from pyllamapool.moecache import equal_memory_mib
+    from pyllamapool.binding.moecache import equal_memory_mib
 
     for mec in c.args.mec:
         cache_mib = equal_memory_mib(c.pool_bytes.get((card, mec), 0))
@@ -307,7 +307,7 @@ HYBRID_RULES = (("hybrid-no-prefetch", None, "off"), ("hybrid-cpu", "cpu", "off"
 def step_hybrid_rules(c: Check) -> None:
     """What placement by cost and prefetch each add on this card: the default's first-card runs beside
     hybrid without prefetch and hybrid with the CPU computing every miss."""
-    from pyllamapool.pool import PoolConfig
+    from pyllamapool.binding.pool import PoolConfig
 
     card = c.args.card_mib[0]
     for mec in c.args.mec:
@@ -318,7 +318,7 @@ def step_hybrid_rules(c: Check) -> None:
 
 
 def _auto(c: Check, step: str, card: int) -> None:
-    from pyllamapool.pool import PoolConfig
+    from pyllamapool.binding.pool import PoolConfig
 
     c.decode(step, "auto", "offloaded", -1, card, pool=PoolConfig(slots="auto", device_mib=card,
                                                                    uploads=_first_card_uploads(c)))
@@ -338,7 +338,7 @@ def _resident_fits(c: Check) -> bool:
 
 def step_resident(c: Check) -> None:
     """Each design with every expert on the device: what it costs per layer when nothing misses."""
-    from pyllamapool.pool import PoolConfig
+    from pyllamapool.binding.pool import PoolConfig
 
     if not _resident_fits(c):
         c.report["resident_skipped"] = "the device does not hold every expert"
@@ -423,7 +423,7 @@ def step_cxx_runtime(c: Check) -> None:
 
 
 def cxx_runtime_in_process() -> dict:
-    from pyllamapool import _ffi
+    from pyllamapool.binding import _ffi
 
     maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
     libs = sorted({line.split()[-1] for line in maps.splitlines() if "libstdc++" in line})
@@ -432,7 +432,7 @@ def cxx_runtime_in_process() -> dict:
 
 def step_predict(c: Check) -> None:
     """`pyllamapool predict` with the profile this run measured, beside every measured row."""
-    from pyllamapool import predict as P
+    from pyllamapool.lab import predict as P
 
     if "upload" not in c.report or not any(r["mode"] == "stock" and "decode_tps" in r for r in c.rows):
         return
@@ -501,8 +501,8 @@ def child(args) -> int:
     if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
         os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
     if args.what == "load":
-        from pyllamapool.llama import Model
-        from pyllamapool.testmodel import ModelSpec, cached_model
+        from pyllamapool.binding.llama import Model
+        from pyllamapool.run.testmodel import ModelSpec, cached_model
         m = Model(cached_model(ModelSpec()))
         print(json.dumps({"loaded": True, "n_expert": m.n_expert}))
         m.close()
@@ -512,8 +512,8 @@ def child(args) -> int:
 
 
 def _parity_model(args):
-    from pyllamapool.fullsize import cached_fullsize, shape
-    from pyllamapool.testmodel import ModelSpec, cached_model
+    from pyllamapool.run.fullsize import cached_fullsize, shape
+    from pyllamapool.run.testmodel import ModelSpec, cached_model
 
     if args.expert_type:  # the tiny shape through llama-quantize: every type, from float weights
         spec = ModelSpec(**{**shape(args.geometry).__dict__, "expert_type": args.expert_type})
@@ -528,12 +528,12 @@ def parity(args) -> dict:
     host: hybrid and stock with experts on the CPU; the bound is the device side's distance from stock."""
     import numpy as np
 
-    from pyllamapool.llama import add_rpc_server
-    from pyllamapool.offload import Offload
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.rpc import start_rpc_server
-    from pyllamapool.session import PoolSession
-    from pyllamapool.testmodel import StreamSpec, token_stream
+    from pyllamapool.binding.llama import add_rpc_server
+    from pyllamapool.run.offload import Offload
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.rpc import start_rpc_server
+    from pyllamapool.run.session import PoolSession
+    from pyllamapool.run.testmodel import StreamSpec, token_stream
 
     spec, model_path = _parity_model(args)
     stream = token_stream(spec, StreamSpec(n_tokens=args.tokens + PROMPT, seed=11))
@@ -590,7 +590,7 @@ def parity(args) -> dict:
 
 
 def plan_profile(args):
-    from pyllamapool import predict as P
+    from pyllamapool.lab import predict as P
 
     if args.testbed:
         return TESTBED_PROFILE()
@@ -598,7 +598,7 @@ def plan_profile(args):
 
 
 def TESTBED_PROFILE():
-    from pyllamapool.predict import HardwareProfile
+    from pyllamapool.lab.predict import HardwareProfile
     return HardwareProfile("testbed", "loopback RPC on shared cores (an estimate for the deadline only)",
                            pcie_gb_s=1.5, pageable_gb_s=1.5, copy_latency_us=60.0, host_expert_gb_s=4.0,
                            device_gb_s=4.0, sync_us=80.0)
@@ -608,7 +608,7 @@ def plan(args, console=None, est: "Estimator | None" = None) -> dict:
     """The dry run's steps and seconds; `est`, a run's own estimator, so its routing is replayed once."""
     from rich.table import Table
 
-    from pyllamapool.fullsize import shape
+    from pyllamapool.run.fullsize import shape
 
     est = est or Estimator(shape(args.geometry), plan_profile(args), args.tokens, args.testbed)
     fake = Check.__new__(Check)  # only what the estimates read
@@ -642,11 +642,11 @@ def plan(args, console=None, est: "Estimator | None" = None) -> dict:
 def run(args) -> int:
     if not args.testbed and (PREFIX / "pyllamapool" / "lib" / "libllama.so").exists():
         os.environ.setdefault("PYLLAMAPOOL_LIB_DIR", str(PREFIX / "pyllamapool" / "lib"))
-    from pyllamapool.fullsize import cached_fullsize
-    from pyllamapool.llama import add_rpc_server, devices
-    from pyllamapool.rpc import start_rpc_server
-    from pyllamapool.session import has_accelerator
-    from pyllamapool.testmodel import StreamSpec, token_stream
+    from pyllamapool.run.fullsize import cached_fullsize
+    from pyllamapool.binding.llama import add_rpc_server, devices
+    from pyllamapool.run.rpc import start_rpc_server
+    from pyllamapool.run.session import has_accelerator
+    from pyllamapool.run.testmodel import StreamSpec, token_stream
 
     console = table_console(stderr=True)
     c = Check(args, console)
@@ -806,8 +806,8 @@ def _ints(text: str) -> list[int]:
 
 
 def main() -> int:
-    from pyllamapool.fullsize import SHAPES
-    from pyllamapool.testmodel import EXPERT_TYPES
+    from pyllamapool.run.fullsize import SHAPES
+    from pyllamapool.run.testmodel import EXPERT_TYPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

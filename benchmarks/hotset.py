@@ -40,8 +40,8 @@ def parse_args(argv=None):
 
 
 def one_run(model, pool, stream) -> dict:
-    from pyllamapool.decode import run_context
-    from pyllamapool.llama import Context
+    from pyllamapool.run.decode import run_context
+    from pyllamapool.binding.llama import Context
 
     ctx = Context(model, pool=pool)
     early = {}
@@ -63,8 +63,8 @@ def one_run(model, pool, stream) -> dict:
 
 
 def measure(args) -> list[dict]:
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.testmodel import StreamSpec, cached_model, token_stream
 
     s = spec()
     measured = token_stream(s, StreamSpec(n_tokens=PROMPT + args.tokens, seed=3))

@@ -35,8 +35,8 @@ def parse_args(argv=None):
 
 
 def measure(args) -> list[dict]:
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.testmodel import StreamSpec, cached_model, token_stream
 
     s = spec()
     stream = token_stream(s, StreamSpec(n_tokens=args.tokens + 8, seed=3))

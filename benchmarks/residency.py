@@ -35,10 +35,10 @@ def parse_args(argv=None):
 
 
 def measure(args) -> list[dict]:
-    from pyllamapool.decode import run_context
-    from pyllamapool.llama import Context
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+    from pyllamapool.run.decode import run_context
+    from pyllamapool.binding.llama import Context
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.testmodel import StreamSpec, cached_model, token_stream
 
     s = spec()
     stream = token_stream(s, StreamSpec(n_tokens=args.tokens + 8, seed=3))

@@ -46,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def one_run(model, stream, pool) -> dict:
-    from pyllamapool.decode import run_context
-    from pyllamapool.llama import Context
+    from pyllamapool.run.decode import run_context
+    from pyllamapool.binding.llama import Context
 
     ctx = Context(model, pool=pool)
     waits = []
@@ -68,8 +68,8 @@ def one_run(model, stream, pool) -> dict:
 def measure(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.testmodel import StreamSpec, cached_model, token_stream
 
     path = cached_model(spec())
     stream = token_stream(spec(), StreamSpec(n_tokens=args.tokens + 8, seed=3))

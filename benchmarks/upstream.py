@@ -76,15 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def spec():
-    from pyllamapool.testmodel import ModelSpec
+    from pyllamapool.run.testmodel import ModelSpec
     return ModelSpec(n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=256)
 
 
 def open_model(device: str, path):
     """The model with its experts in host memory and every layer on `device` (rpc, lazy or vulkan):
     (model, RPC server or None, the device size to emulate in MiB or 0 for the device's own)."""
-    from pyllamapool.llama import Model, add_rpc_server, lazy_copy_device
-    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.binding.llama import Model, add_rpc_server, lazy_copy_device
+    from pyllamapool.run.rpc import start_rpc_server
 
     if device == "rpc":
         server = start_rpc_server()
@@ -132,8 +132,8 @@ def same_logits(a: list, b: list) -> bool:
 
 def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     """One context, prompt then teacher-forced decode; what it did and its logits."""
-    from pyllamapool.decode import run_context
-    from pyllamapool.llama import Context
+    from pyllamapool.run.decode import run_context
+    from pyllamapool.binding.llama import Context
 
     ctx = Context(model, pool=pool, moe_cache_mib=cache_mib)
     waits, callback_ms = [], []
@@ -168,9 +168,9 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
 def measure(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
-    from pyllamapool.moecache import equal_memory_mib
-    from pyllamapool.pool import PoolConfig
-    from pyllamapool.testmodel import StreamSpec, cached_model, token_stream
+    from pyllamapool.binding.moecache import equal_memory_mib
+    from pyllamapool.binding.pool import PoolConfig
+    from pyllamapool.run.testmodel import StreamSpec, cached_model, token_stream
 
     path = cached_model(spec())
     stream = token_stream(spec(), StreamSpec(n_tokens=args.tokens + 8, seed=3))

@@ -1,14 +1,14 @@
 """pyllamapool: a persistent device-side expert pool for llama.cpp MoE models, and its tooling."""
 __version__ = "0.1.0"
 
-from .manifest import warn_if_stale as _warn_if_stale
+from .native.manifest import warn_if_stale as _warn_if_stale
 
 _warn_if_stale()
 
 # The high-level API, imported on first use: the build driver imports this package inside pip's
 # isolated build environment, where numpy and cffi are not installed.
-_API = {"Offload": "offload", "PoolRun": "session", "PoolSession": "session",
-        "PoolConfig": "pool", "PoolCounters": "pool", "PoolStatus": "pool"}
+_API = {"Offload": "run.offload", "PoolRun": "run.session", "PoolSession": "run.session",
+        "PoolConfig": "binding.pool", "PoolCounters": "binding.pool", "PoolStatus": "binding.pool"}
 __all__ = sorted(_API)
 
 

@@ -72,7 +72,7 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 def _slots(text: str) -> tuple[int | str, ...]:
     """-mec N or N0,N1,...: slots per offloaded tensor (0 = off, -1 = as many as fit, auto = as many as
     fit and the pool stands down where decode is faster without it)."""
-    from .pool import AUTO
+    from .binding.pool import AUTO
     parts = [v.strip() for v in text.split(",")]
     try:
         values = [v if v == AUTO else int(v) for v in parts]
@@ -136,7 +136,7 @@ def add_pool_args(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
                        help="hybrid mode: upload the next layer's predicted experts ahead of its step: auto "
                             "(default: where uploads run beside compute, as many as the link carries in time), "
                             "off, or on (LLAMA_MOE_POOL_PREFETCH)")
-    from .pool import GATES, MODES, POLICY_KINDS
+    from .binding.pool import GATES, MODES, POLICY_KINDS
     several = " (comma-separated values are swept)" if sweepable else ""
     p.add_argument("--policy", type=_choices("policy", list(POLICY_KINDS)), default=(None,),
                    help=f"slot policy: adaptive (default) or lru{several}")
@@ -161,7 +161,7 @@ def _device_mib(args):
 
 
 def _pool_config(args):
-    from .pool import PoolConfig
+    from .binding.pool import PoolConfig
     slots = args.slots[0] if len(args.slots) == 1 else args.slots
     if len(args.policy) > 1 or len(args.gate) > 1 or len(args.mode) > 1:
         raise PyllamapoolError("--policy, --gate and --mode take one value here (lists are for `sweep`)")
@@ -172,7 +172,7 @@ def _pool_config(args):
 
 
 def _offload(args, **over):
-    from .offload import Offload
+    from .run.offload import Offload
     rpc = tuple(e for e in args.rpc.split(",") if e)
     settings = dict(n_gpu_layers=args.n_gpu_layers, rpc=rpc, n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe,
                     n_ctx=args.n_ctx, n_threads=args.n_threads)
@@ -184,13 +184,13 @@ def _offload(args, **over):
 
 
 def cmd_build(argv: list[str]) -> int:
-    from .driver import main as driver_main
+    from .native.driver import main as driver_main
     return driver_main(argv, prog="pyllamapool build")
 
 
 def cmd_info(args) -> int:
-    from . import _ffi
-    from .manifest import check_current, read_manifest
+    from .binding import _ffi
+    from .native.manifest import check_current, read_manifest
 
     try:
         where = _ffi.locate()
@@ -199,7 +199,7 @@ def cmd_info(args) -> int:
         return 2
     manifest = read_manifest(where.lib_dir) or {}
     if args.json:
-        from .llama import devices
+        from .binding.llama import devices
         print(json.dumps({"lib_dir": str(where.lib_dir), "manifest": manifest,
                           "devices": [asdict(d) for d in devices()]}, indent=2))
         return 0
@@ -212,7 +212,7 @@ def cmd_info(args) -> int:
     stale = check_current(manifest)
     if stale:
         console.print(f"[yellow]warning:[/yellow] {stale}")
-    from .llama import devices
+    from .binding.llama import devices
     dev_table = Table(title="devices")
     for col in ("#", "name", "description", "type", "free MiB", "total MiB"):
         dev_table.add_column(col)
@@ -224,7 +224,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from .testmodel import ModelSpec, write_model
+    from .run.testmodel import ModelSpec, write_model
     spec = ModelSpec(arch=args.arch, n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
                      n_head_kv=args.heads_kv, n_expert=args.experts, n_expert_used=args.top_k,
                      n_ff_exp=args.ff, n_vocab=args.vocab, expert_type=args.type.upper(),
@@ -244,8 +244,8 @@ def _prompt_tokens(args, model) -> list[int]:
 
 
 def cmd_run(args) -> int:
-    from .llama import Sampler
-    from .session import PoolSession
+    from .binding.llama import Sampler
+    from .run.session import PoolSession
 
     pool = _pool_config(args)
     with PoolSession(args.model, _offload(args)) as session:
@@ -277,7 +277,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import plan
+    from .lab.plan import plan
 
     offload = _offload(args, type_k=args.cache_type_k, type_v=args.cache_type_v,
                        flash_attn=True if args.flash_attn == "on" else False if args.flash_attn == "off" else None)
@@ -298,8 +298,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import SweepGrid, plot, run_sweep, sweep_table, write_json
-    from .testmodel import StreamSpec, spec_of, token_stream
+    from .run.sweep import SweepGrid, plot, run_sweep, sweep_table, write_json
+    from .run.testmodel import StreamSpec, spec_of, token_stream
 
     grid = SweepGrid(slots=args.slots, rail_mib=args.rail_mib, cap_mib=args.cap_mib,
                      profile=tuple(args.profile) if args.profile else (None,), device_mib=_device_mib(args),
@@ -310,7 +310,7 @@ def cmd_sweep(args) -> int:
     result = run_sweep(args.model, offload, grid, stream[:8], stream[8:], repeats=args.repeats,
                        console=err_console, progress=not args.json)
     if args.predict:
-        from .predict import annotate_sweep, parse_profile
+        from .lab.predict import annotate_sweep, parse_profile
         annotate_sweep(result.rows, args.model, parse_profile(args.predict),
                        n_host_layers=None if offload.cpu_moe or not offload.n_cpu_moe else offload.n_cpu_moe)
     if args.json:
@@ -323,7 +323,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from . import predict as P
+    from .lab import predict as P
 
     if args.list_profiles:
         if args.json:
@@ -347,7 +347,7 @@ def cmd_predict(args) -> int:
     geometry = P.geometry_from_gguf(args.model, profile, n_host_layers=args.host_layers,
                                     stock_tps=args.stock_tps, dense_ms=args.dense_ms)
     if args.trace:
-        from .trace import Trace
+        from .run.trace import Trace
         routing = P.Routing.from_trace(Trace.load(args.trace), f"trace {args.trace}")
         if (routing.n_expert, routing.top_k) != (geometry.n_expert, geometry.top_k):
             raise PyllamapoolError(f"--trace {args.trace}: {routing.n_expert} experts top-{routing.top_k}, the "
@@ -417,7 +417,7 @@ def _print_validation(rows, as_json: bool) -> int:
 
 
 def cmd_measure_host(args) -> int:
-    from .measure import measure_host
+    from .run.measure import measure_host
 
     m = measure_host(args.expert_type, args.n_embd, args.n_ff, threads=args.threads, seconds=args.seconds)
     if args.json:
@@ -431,7 +431,7 @@ def cmd_measure_host(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .tune import tune, tune_table
+    from .lab.tune import tune, tune_table
 
     modes = args.mode if args.mode != (None,) else ("hybrid", "copy")
     result = tune(args.model, _offload(args), device_mib=_device_mib(args), modes=modes, n_tokens=args.n_tokens,
@@ -448,7 +448,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .run.demo import run_demo
     # with --json the narrative and the tables go to stderr, the figures to stdout
     result = run_demo(err_console if args.json else console, out_dir=args.out, n_tokens=args.n_tokens,
                       repeats=args.repeats)
@@ -459,9 +459,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from .llama import Context, Model
-    from .testmodel import StreamSpec, spec_of, token_stream
-    from .trace import PoolTraceRecorder, expert_bytes_from_gguf, locality, record_trace
+    from .binding.llama import Context, Model
+    from .run.testmodel import StreamSpec, spec_of, token_stream
+    from .run.trace import PoolTraceRecorder, expert_bytes_from_gguf, locality, record_trace
 
     offload = _offload(args)
     pool = _pool_config(args)
@@ -507,7 +507,7 @@ def cmd_trace(args) -> int:
 
 def launch(tool: str, argv: list[str]) -> int:
     """exec the patched binary with the user's arguments, unchanged."""
-    from .tools import tool_path
+    from .native.tools import tool_path
     path = tool_path(tool)
     os.execv(path, [str(path), *argv])
     return 0  # not reached
@@ -525,7 +525,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
 
-    from .testmodel import ARCHITECTURES, EXPERT_TYPES, ModelSpec
+    from .run.testmodel import ARCHITECTURES, EXPERT_TYPES, ModelSpec
     d = ModelSpec()
     p = sub.add_parser("make-model", help="write a tiny deterministic MoE GGUF with routing locality")
     p.add_argument("output", help="path of the .gguf to write")

@@ -1,6 +1,6 @@
 """llama.cpp's own test models (test-llama-archs -o DIR): one random GGUF per architecture, dense
 and MoE, written by the pinned tree's model saver. Their MoE layers have two experts (top-2); the
-tests widen them (pyllamapool.testmodel.widen_experts) so that a pool has something to evict."""
+tests widen them (pyllamapool.run.testmodel.widen_experts) so that a pool has something to evict."""
 from __future__ import annotations
 
 import subprocess

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pyllamapool.llama import Context, Model
-from pyllamapool.pool import PoolConfig
-from pyllamapool.rpc import start_rpc_server
+from pyllamapool.binding.llama import Context, Model
+from pyllamapool.binding.pool import PoolConfig
+from pyllamapool.run.rpc import start_rpc_server
 
 #: test-llama-archs models have 128 tokens
 TOKENS = [(7 * i) % 97 + 3 for i in range(64)]

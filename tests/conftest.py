@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream, write_model
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ def pytest_configure(config):
             del os.environ[name]
     if sanitized:
         os.environ["PYLLAMAPOOL_LIB_DIR"] = sanitized
-        from pyllamapool import _ffi
+        from pyllamapool.binding import _ffi
         # test_sanitizers.py checks this line: the run really is on the sanitized libraries
         print(f"pyllamapool tests: libraries from {_ffi.locate().lib_dir}", file=sys.__stderr__, flush=True)
     cache = tempfile.mkdtemp(prefix="pyllamapool-tests-cache-")
@@ -72,7 +72,7 @@ def stream() -> list[int]:
 @pytest.fixture
 def rpc_server():
     """One ggml-rpc-server on a free 127.0.0.1 port, stopped by its pid afterwards."""
-    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.run.rpc import start_rpc_server
     with start_rpc_server() as server:
         yield server
 
@@ -80,7 +80,7 @@ def rpc_server():
 @pytest.fixture
 def rpc_servers():
     """rpc_servers(n) -> n running servers (several devices at once)."""
-    from pyllamapool.rpc import start_rpc_server
+    from pyllamapool.run.rpc import start_rpc_server
     started = []
 
     def _start(n: int):
@@ -113,7 +113,7 @@ def archs_source(tmp_path_factory):
 def archs_model(archs_source):
     """archs_model(arch) -> a random model of that arch from test-llama-archs, widened to 8 experts."""
     from archmodels import expert_count
-    from pyllamapool.testmodel import widen_experts
+    from pyllamapool.run.testmodel import widen_experts
 
     made: dict[str, Path] = {}
 

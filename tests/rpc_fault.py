@@ -97,7 +97,7 @@ class AllocRefusingProxy:
     def close(self) -> None:
         """Stop listening. ggml keeps the endpoint registered for the rest of the process: it is
         marked stopped, so that device listings do not query it."""
-        from pyllamapool.rpc import mark_stopped
+        from pyllamapool.run.rpc import mark_stopped
 
         self._listener.close()
         mark_stopped(self.endpoint)

@@ -12,12 +12,12 @@ import jsonschema
 import pytest
 
 from pyllamapool.errors import PyllamapoolError
-from pyllamapool.plan import plan
-from pyllamapool.pool import PoolConfig
-from pyllamapool.offload import Offload
-from pyllamapool.session import PoolSession
-from pyllamapool.sweep import SWEEP_SCHEMA, SweepGrid, run_sweep, write_json
-from pyllamapool.testmodel import write_dense_model
+from pyllamapool.lab.plan import plan
+from pyllamapool.binding.pool import PoolConfig
+from pyllamapool.run.offload import Offload
+from pyllamapool.run.session import PoolSession
+from pyllamapool.run.sweep import SWEEP_SCHEMA, SweepGrid, run_sweep, write_json
+from pyllamapool.run.testmodel import write_dense_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,7 +205,7 @@ def test_sweep_command_json(qwen3_model, rpc_server, tmp_path):
 
 
 def test_sweep_prints_the_cost_models_speed_next_to_the_measured_one(qwen3_model, rpc_server):
-    from pyllamapool import predict as P
+    from pyllamapool.lab import predict as P
 
     args = ("sweep", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe",
             "--slots", "0,4,16", "--device-mib", "65536", "-n", "24", "-r", "1", "--predict", "rtx3090-pcie4")
@@ -288,7 +288,7 @@ def piped(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_tables_printed_to_a_pipe_keep_every_column_and_word():
-    from pyllamapool import predict as P
+    from pyllamapool.lab import predict as P
 
     profiles = piped("predict", "--list-profiles")
     assert profiles.returncode == 0 and "…" not in profiles.stdout
@@ -323,7 +323,7 @@ def test_the_rpc_server_launcher_serves_on_the_port_it_is_given():
     import socket
     import time
 
-    from pyllamapool.rpc import free_port
+    from pyllamapool.run.rpc import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pyllamapool", "rpc-server", "-H", "127.0.0.1", "-p", str(port)],
@@ -353,7 +353,7 @@ def test_info_reports_the_manifest_and_devices():
 
 
 def test_trace_command_records_the_pool_view(qwen3_model, rpc_server, tmp_path):
-    from pyllamapool.trace import Trace
+    from pyllamapool.run.trace import Trace
     out = tmp_path / "pool.npz"
     result = cli("trace", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8",
                  "--device-mib", "65536", "-n", "40", "-o", str(out))

@@ -163,7 +163,7 @@ def pool_mode_problems(mode: str, pools: list[dict]) -> list[str]:
 @functools.cache
 def models_dir() -> Path:
     """test-llama-archs' models in the cache, written once per build of the tool."""
-    from pyllamapool.paths import cache_dir
+    from pyllamapool.native.paths import cache_dir
 
     out = cache_dir() / "test-llama-archs" / archmodels.tool_stamp()
     if not (out / ".complete").exists():
@@ -210,7 +210,7 @@ def moe_models() -> dict[str, Path]:
 
 def variant_model(arch: str, variant: str) -> Path:
     """The widened model a variant runs (made on first use)."""
-    from pyllamapool.testmodel import widen_experts, without_tensors
+    from pyllamapool.run.testmodel import widen_experts, without_tensors
 
     src = moe_models()[arch]
     # beside the tool's models, not among them: a widened model is not another architecture

@@ -11,11 +11,11 @@ import sys
 import cffi
 import pytest
 
-from pyllamapool import _ffi
-from pyllamapool.paths import project_root
+from pyllamapool.binding import _ffi
+from pyllamapool.native.paths import project_root
 
 VENDOR = project_root() / "vendor" / "llama.cpp"
-WRAPPER = project_root() / "pyllamapool" / "cdef.h"
+WRAPPER = project_root() / "pyllamapool" / "binding" / "cdef.h"
 
 
 def unexported_functions(cdef_text: str) -> list[str]:
@@ -166,7 +166,7 @@ def test_the_system_cxx_runtime_serves_libllama_before_any_backend_copy():
     must not serve libllama's std:: calls: the binding puts the system runtime in the global scope
     first. dlsym(RTLD_DEFAULT) searches only that scope."""
     code = ("import ctypes, sys\n"
-            "from pyllamapool import _ffi\n"
+            "from pyllamapool.binding import _ffi\n"
             "_ffi.load()\n"
             "ctypes.CDLL(None)._ZNSo9_M_insertIlEERSoT_\n"  # std::ostream::_M_insert<long>
             "print('global')\n")
@@ -178,6 +178,6 @@ def test_the_pool_params_hold_one_value_per_device_llama_cpp_supports():
     """The pool's per-device lists (slots, device sizes) are fixed arrays so that the params struct
     is self-contained when common and Python copy it; their length is llama.cpp's device limit."""
     ffi, lib, _ = _ffi.load()
-    from pyllamapool.pool import MAX_DEVICES
+    from pyllamapool.binding.pool import MAX_DEVICES
     params = ffi.new("struct llama_moe_pool_params *")
     assert len(params.slots) == len(params.device_mib) == MAX_DEVICES == lib.llama_max_devices()

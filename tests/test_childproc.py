@@ -1,4 +1,4 @@
-"""Children tied to their parent's life (pyllamapool.childproc): they die when the parent aborts,
+"""Children tied to their parent's life (pyllamapool.run.childproc): they die when the parent aborts,
 also when a short-lived thread started them. Runs without the native build (the child is sleep)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from procs import kill_if_alive, run_aborting_parent, wait_gone
-from pyllamapool.childproc import WRAPPER_FAILED, death_signal_supported, popen_tied, wrapped_argv
+from pyllamapool.run.childproc import WRAPPER_FAILED, death_signal_supported, popen_tied, wrapped_argv
 
 SLEEP = "/bin/sleep"
 
@@ -20,7 +20,7 @@ linux_only = pytest.mark.skipif(not death_signal_supported(), reason="the parent
 def test_a_tied_child_dies_when_its_parent_aborts():
     pids = run_aborting_parent(
         "import os, subprocess\n"
-        "from pyllamapool.childproc import popen_tied\n"
+        "from pyllamapool.run.childproc import popen_tied\n"
         f"p = popen_tied([{SLEEP!r}, '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
         "print(p.pid, flush=True)\n"
         "os.abort()\n")
@@ -36,7 +36,7 @@ def test_a_child_started_from_a_thread_that_exits_lives_until_the_process_ends()
     take the child with it; the process's end must."""
     pids = run_aborting_parent(
         "import os, subprocess, threading, time\n"
-        "from pyllamapool.childproc import popen_tied\n"
+        "from pyllamapool.run.childproc import popen_tied\n"
         "box = []\n"
         "def start():\n"
         f"    box.append(popen_tied([{SLEEP!r}, '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))\n"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pyllamapool import buildsys, paths, source
+from pyllamapool.native import buildsys, paths, source
 from pyllamapool.errors import PatchError, PyllamapoolError, SourceError, ToolchainError
-from pyllamapool.patches import Series, check_patches, export_patches, prepare, render_series
-from pyllamapool.pin import Pin
-from pyllamapool.runner import Runner
+from pyllamapool.native.patches import Series, check_patches, export_patches, prepare, render_series
+from pyllamapool.native.pin import Pin
+from pyllamapool.native.runner import Runner
 
 ROOT = Path(__file__).resolve().parent.parent
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMMITTER_NAME": "t",
@@ -59,7 +59,7 @@ def test_a_hotfix_entry_with_a_bad_action_or_line_range_is_refused_by_name(tmp_p
 
 
 def test_a_reverted_hotfix_gives_the_pristine_file_or_the_tree_is_refused(tmp_path):
-    from pyllamapool.pin import Hotfix
+    from pyllamapool.native.pin import Hotfix
     pristine = b"one\ntwo\nthree\n"
     shipped = b"one\n#if PACKAGER\ntwo\n#endif\nthree\n"
     (tmp_path / "f.h").write_bytes(shipped)
@@ -245,7 +245,7 @@ def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_foot
 
 
 def test_the_patch_page_lists_every_patch_and_what_each_stack_changes_as_check_patches_counts_it():
-    from pyllamapool.patches import stack_footprints
+    from pyllamapool.native.patches import stack_footprints
 
     series = Series.load()
     page = (ROOT / "docs" / "patches.md").read_text()
@@ -345,8 +345,8 @@ def test_vendor_tree_is_ignored_and_no_upstream_source_is_tracked():
 
 
 def test_built_binaries_are_the_patched_runnable_ones(rpc_server):
-    from pyllamapool.manifest import current_series_digest, read_manifest
-    from pyllamapool.tools import tool_path
+    from pyllamapool.native.manifest import current_series_digest, read_manifest
+    from pyllamapool.native.tools import tool_path
 
     cli_help = subprocess.run([str(tool_path("llama-cli")), "--help"], capture_output=True, text=True, timeout=60)
     assert "--moe-expert-cache" in cli_help.stdout + cli_help.stderr
@@ -502,7 +502,7 @@ def test_on_debian_12_the_vulkan_build_fetches_what_it_needs_and_says_so(tmp_pat
 
     from rich.console import Console
 
-    from pyllamapool import vulkan_deps
+    from pyllamapool.native import vulkan_deps
 
     monkeypatch.setenv("PYLLAMAPOOL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("Vulkan_INCLUDE_DIR", raising=False)
@@ -528,7 +528,7 @@ def test_on_debian_12_the_vulkan_build_fetches_what_it_needs_and_says_so(tmp_pat
 
 
 def test_elsewhere_the_vulkan_build_changes_nothing(monkeypatch):
-    from pyllamapool import vulkan_deps
+    from pyllamapool.native import vulkan_deps
 
     monkeypatch.setattr(vulkan_deps, "debian_codename", lambda: "noble")
     runner = Runner(dry_run=True)
@@ -537,7 +537,7 @@ def test_elsewhere_the_vulkan_build_changes_nothing(monkeypatch):
 
 
 def test_vulkan_header_versions_are_read_from_vulkan_core_h(tmp_path):
-    from pyllamapool import vulkan_deps
+    from pyllamapool.native import vulkan_deps
 
     (tmp_path / "vulkan").mkdir()
     (tmp_path / "vulkan" / "vulkan_core.h").write_text(
@@ -552,8 +552,8 @@ _FAKE_NINJA = ("import time\n"
                "    print(f'[{i}/3] Building CXX object src/CMakeFiles/llama.dir/llama-file-{i}.cpp.o', flush=True)\n"
                "    time.sleep(0.3)\n")
 _COMPILE = ("import sys\n"
-            "from pyllamapool.buildsys import _compile\n"
-            "from pyllamapool.runner import Runner\n"
+            "from pyllamapool.native.buildsys import _compile\n"
+            "from pyllamapool.native.runner import Runner\n"
             "_compile([sys.executable, '-c', sys.argv[1]], Runner(), {})\n")
 
 
@@ -589,7 +589,7 @@ def test_the_build_shows_files_compiled_of_total_in_a_terminal_and_is_quiet_in_a
 def test_check_patches_measures_each_function_a_new_source_file_defines():
     """The longest function of a new file is what a reviewer must read in one go: namespaces, macros,
     comments and strings holding braces, initializers and member functions are told apart."""
-    from pyllamapool.sourcesize import functions, longest_function
+    from pyllamapool.native.sourcesize import functions, longest_function
 
     text = (
         '#define CHECK(c) do { if (!(c)) { \\\n'

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllamapool import fullsize as F
+from pyllamapool.run import fullsize as F
 from pyllamapool.errors import PyllamapoolError
-from pyllamapool.testmodel import ModelSpec, StreamSpec, spec_of, token_stream
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, spec_of, token_stream
 
 
 def _tensors(path):
@@ -48,9 +48,9 @@ def test_the_bytes_depend_on_the_spec_and_seed_not_on_the_thread_count(tmp_path)
 
 
 def test_llama_cpp_loads_and_decodes_it_and_routing_follows_the_topic(tmp_path):
-    from pyllamapool.offload import Offload
-    from pyllamapool.session import PoolSession
-    from pyllamapool.trace import locality, record_trace
+    from pyllamapool.run.offload import Offload
+    from pyllamapool.run.session import PoolSession
+    from pyllamapool.run.trace import locality, record_trace
 
     path = F.write_fullsize_model(F.shape("tiny"), tmp_path / "m.gguf").path
     spec = spec_of(path)

@@ -12,10 +12,10 @@ import pytest
 from pyllamapool.lab import bench
 from pyllamapool.lab.policies import (POLICIES, PolicyStep, adaptive, belady, brute_force_min_misses, layer_steps,
                                       recency)
-from pyllamapool.pool import Policy
+from pyllamapool.binding.pool import Policy
 from pyllamapool.lab.replay import replay_product
 from pyllamapool.lab.synth import PRESETS, generate
-from pyllamapool.trace import Trace, locality
+from pyllamapool.run.trace import Trace, locality
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,10 +19,10 @@ import re
 import numpy as np
 import pytest
 
-from pyllamapool.llama import Context, Model, lazy_copy_device
-from pyllamapool.pool import PoolConfig
-from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream
-from pyllamapool.trace import PoolTraceRecorder
+from pyllamapool.binding.llama import Context, Model, lazy_copy_device
+from pyllamapool.binding.pool import PoolConfig
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream
+from pyllamapool.run.trace import PoolTraceRecorder
 from test_pool import (BATCH_SHAPES, cpu_repacks_weights, decode, decode_in_batches, decode_sequences,
                        identical, user_type_model)
 

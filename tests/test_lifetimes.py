@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from pyllamapool.llama import Context, ContextError, Model
-from pyllamapool.pool import PoolConfig
-from pyllamapool.trace import PoolTraceRecorder
+from pyllamapool.binding.llama import Context, ContextError, Model
+from pyllamapool.binding.pool import PoolConfig
+from pyllamapool.run.trace import PoolTraceRecorder
 
 
 def test_closing_a_model_first_closes_its_open_contexts(qwen3_model, rpc_server, stream):
@@ -57,9 +57,9 @@ def test_the_pool_observer_belongs_to_the_context(qwen3_model, rpc_server, strea
 
 def test_objects_left_open_at_exit_are_freed_before_python_goes(qwen3_model, rpc_server):
     script = textwrap.dedent(f"""
-        from pyllamapool.llama import Context, Model
-        from pyllamapool.pool import PoolConfig
-        from pyllamapool.trace import PoolTraceRecorder
+        from pyllamapool.binding.llama import Context, Model
+        from pyllamapool.binding.pool import PoolConfig
+        from pyllamapool.run.trace import PoolTraceRecorder
         model = Model({str(qwen3_model)!r}, n_gpu_layers=99, rpc=[{rpc_server.endpoint!r}], n_cpu_moe=99)
         ctx = Context(model, pool=PoolConfig(slots=6, device_mib=65536))
         recorder = PoolTraceRecorder(ctx)

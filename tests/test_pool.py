@@ -7,12 +7,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from pyllamapool.decode import run_context
-from pyllamapool.llama import Context, Model
-from pyllamapool.pool import PoolConfig, PoolConfigError, Policy, parse_layer_profile
-from pyllamapool.tools import tool_path
+from pyllamapool.run.decode import run_context
+from pyllamapool.binding.llama import Context, Model
+from pyllamapool.binding.pool import PoolConfig, PoolConfigError, Policy, parse_layer_profile
+from pyllamapool.native.tools import tool_path
 from rpc_fault import AllocRefusingProxy
-from pyllamapool.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
+from pyllamapool.run.testmodel import EXPERT_TYPES, ModelSpec, StreamSpec, block_size, token_stream
 
 SPEC = ModelSpec()
 
@@ -680,7 +680,7 @@ def test_policy_replay_api_reports_misses_and_refuses_overfull_steps():
 def test_replaying_a_recorded_trace_gives_the_live_pool_counters(qwen3_model, rpc_server, stream, slots, policy):
     from pyllamapool.lab.policies import adaptive, recency
     from pyllamapool.lab.replay import replay_product
-    from pyllamapool.trace import PoolTraceRecorder, expert_bytes_from_gguf
+    from pyllamapool.run.trace import PoolTraceRecorder, expert_bytes_from_gguf
 
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     ctx = Context(model, pool=PoolConfig(mode="copy", slots=slots, device_mib=65536, policy=policy))
@@ -712,7 +712,7 @@ def test_a_trace_recorded_with_prefetch_carries_the_predictions_the_pool_scored(
     for it; a trace keeps those predictions (and round-trips them through its file), and the lab
     scores them exactly as the pool did, layer by layer."""
     from pyllamapool.lab import prefetch
-    from pyllamapool.trace import PoolTraceRecorder, Trace
+    from pyllamapool.run.trace import PoolTraceRecorder, Trace
 
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     ctx = Context(model, pool=PoolConfig(mode="hybrid", slots=4, device_mib=65536, prefetch="on"))
@@ -749,7 +749,7 @@ def test_a_trace_recorded_with_prefetch_carries_the_predictions_the_pool_scored(
 def test_expert_biases_and_scales_travel_with_their_weights(archs_model, rpc_server, arch, weights, extras):
     import gguf
 
-    from pyllamapool.trace import expert_bytes_from_gguf
+    from pyllamapool.run.trace import expert_bytes_from_gguf
 
     path = archs_model(arch)
     layer = 1
@@ -809,7 +809,7 @@ def test_a_failed_allocation_releases_every_pool_and_decode_goes_on(qwen3_model,
 def recorded_run(model, tokens, pool: PoolConfig, keep_logits: bool = False):
     """Decode `tokens` one by one after an 8-token prefill, recording routing for every step (the
     eval callback sees gated steps too, which the pool's own observer does not)."""
-    from pyllamapool.trace import TraceRecorder
+    from pyllamapool.run.trace import TraceRecorder
 
     recorder = TraceRecorder()
     ctx = Context(model, pool=pool, observe=recorder.wants, observer=recorder)
@@ -835,7 +835,7 @@ def churn():
 
 def test_under_churn_the_gate_stands_layers_down_and_replays_exactly(qwen3_model, rpc_server, churn):
     from pyllamapool.lab.replay import replay_product
-    from pyllamapool.trace import expert_bytes_from_gguf
+    from pyllamapool.run.trace import expert_bytes_from_gguf
 
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     _, ungated, *_ = recorded_run(model, churn, PoolConfig(mode="copy", slots=6, device_mib=65536))
@@ -1216,7 +1216,7 @@ def test_hybrid_with_fused_gate_up_experts_is_bit_identical(archs_model, rpc_ser
     """qwen35moe ships ffn_gate_up_exps (one pooled tensor for gate and up, split by views on both
     sides) and shared experts; test-llama-archs gives it optional scales, dropped here so that its
     pools hold weights only."""
-    from pyllamapool.testmodel import without_tensors
+    from pyllamapool.run.testmodel import without_tensors
 
     path = without_tensors(archs_model("qwen35moe"), tmp_path / "qwen35moe-plain.gguf", r"\.(scale|input_scale)$")
     stream = [(7 * i) % 97 + 3 for i in range(48)]

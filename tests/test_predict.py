@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pyllamapool import predict as P
+from pyllamapool.lab import predict as P
 from pyllamapool.errors import PyllamapoolError
 from pyllamapool.lab import bench, policies, synth
-from pyllamapool.trace import expert_bytes_from_gguf
+from pyllamapool.run.trace import expert_bytes_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 GEOMETRY = P.Geometry("test", n_host_layers=48, n_expert=128, top_k=8, expert_bytes=2 << 20, dense_ms=20.0)
@@ -315,7 +315,7 @@ def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):
 
 
 def test_measure_host_times_the_cpus_expert_matmul():
-    from pyllamapool.measure import measure_host
+    from pyllamapool.run.measure import measure_host
 
     small = measure_host("Q4_K", 256, 256, threads=1, working_set_mib=16, seconds=0.2)
     assert small.expert_bytes == 3 * (256 * 256 // 256 * 144)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from pyllamapool.tools import tool_path
+from pyllamapool.native.tools import tool_path
 
 
 def free_port() -> int:

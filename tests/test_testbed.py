@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllamapool.decode import run, run_context
-from pyllamapool.offload import Offload
+from pyllamapool.run.decode import run, run_context
+from pyllamapool.run.offload import Offload
 from pyllamapool.errors import PyllamapoolError
-from pyllamapool.llama import Context, Model, ModelLoadError, Sampler
-from pyllamapool.rpc import RpcServer, RpcServerError, start_rpc_server
-from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream, write_model
-from pyllamapool.trace import Trace, expert_bytes_from_gguf, locality, record_trace
+from pyllamapool.binding.llama import Context, Model, ModelLoadError, Sampler
+from pyllamapool.run.rpc import RpcServer, RpcServerError, start_rpc_server
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream, write_model
+from pyllamapool.run.trace import Trace, expert_bytes_from_gguf, locality, record_trace
 
 
 def sha(path) -> str:
@@ -52,7 +52,7 @@ def test_bad_specs_are_rejected_clearly(tmp_path, changes, needle):
 def test_widening_keeps_every_expert_and_tensor_and_adds_new_experts(tmp_path):
     import gguf
 
-    from pyllamapool.testmodel import widen_experts
+    from pyllamapool.run.testmodel import widen_experts
 
     f32 = write_model(ModelSpec(expert_type="F32"), tmp_path / "f32.gguf")
     wide = widen_experts(f32, tmp_path / "wide.gguf", 24, seed=3)
@@ -89,7 +89,7 @@ def test_widening_a_model_with_a_selection_bias_widens_it_and_zeros_stay_zeros(t
     llama.cpp checks its width against expert_count like the experts'."""
     import gguf
 
-    from pyllamapool.testmodel import widen_experts
+    from pyllamapool.run.testmodel import widen_experts
 
     src = write_model(ModelSpec(arch="glm4moe", expert_type="F32"), tmp_path / "glm.gguf")
     wide = widen_experts(src, tmp_path / "wide.gguf", 24, seed=3)
@@ -113,7 +113,7 @@ def test_a_widened_test_llama_archs_model_has_every_per_expert_tensor_at_the_new
     a tensor of the wrong shape) loads the result with the new expert count."""
     import gguf
 
-    from pyllamapool.testmodel import widen_experts
+    from pyllamapool.run.testmodel import widen_experts
 
     from archmodels import expert_count
 
@@ -140,14 +140,14 @@ def test_the_suite_runs_with_its_own_cache_and_no_user_overrides():
     import os
     from pathlib import Path
 
-    from pyllamapool.paths import cache_dir
+    from pyllamapool.native.paths import cache_dir
 
     assert not [k for k in os.environ if k.startswith("PYLLAMAPOOL_")]
     assert Path.home() / ".cache" not in cache_dir().parents
 
 
 def test_cached_models_are_keyed_by_the_generator_source_too(tmp_path, monkeypatch):
-    from pyllamapool import testmodel
+    from pyllamapool.run import testmodel
 
     spec = ModelSpec(n_layer=1)
     first = testmodel.cached_model(spec, tmp_path)
@@ -184,8 +184,8 @@ def test_llama_cpp_loads_and_decodes_every_architecture_and_storage_type(make_mo
 
 _AMX_PROBE = """
 import sys
-from pyllamapool import logs
-from pyllamapool.llama import Model
+from pyllamapool.binding import logs
+from pyllamapool.binding.llama import Model
 with logs.capture() as lines:
     Model(sys.argv[1]).close()
 print(any("AMX" in text for _, text in lines))
@@ -241,7 +241,7 @@ def test_an_rpc_server_dies_with_a_parent_that_aborts():
 
     pids = run_aborting_parent(
         "import os\n"
-        "from pyllamapool.rpc import start_rpc_server\n"
+        "from pyllamapool.run.rpc import start_rpc_server\n"
         "server = start_rpc_server()\n"
         "print(server.pid, flush=True)\n"
         "os.abort()\n")
@@ -252,7 +252,7 @@ def test_an_rpc_server_dies_with_a_parent_that_aborts():
 
 
 def test_rpc_devices_are_never_taken_for_the_builds_own_gpus(qwen3_model, rpc_server):
-    from pyllamapool.llama import devices, local_gpus
+    from pyllamapool.binding.llama import devices, local_gpus
 
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint])
     try:
@@ -263,7 +263,7 @@ def test_rpc_devices_are_never_taken_for_the_builds_own_gpus(qwen3_model, rpc_se
 
 
 def test_stopped_servers_are_forgotten_but_known_dead():
-    from pyllamapool.rpc import server_for, stopped_here
+    from pyllamapool.run.rpc import server_for, stopped_here
 
     first = start_rpc_server()
     endpoint = first.endpoint

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllamapool.decode import run_context
+from pyllamapool.run.decode import run_context
 from pyllamapool.errors import PyllamapoolError
-from pyllamapool.llama import Context, Model
-from pyllamapool.moecache import parse_stats
-from pyllamapool.pool import PoolConfig
-from pyllamapool.tools import tool_path
+from pyllamapool.binding.llama import Context, Model
+from pyllamapool.binding.moecache import parse_stats
+from pyllamapool.binding.pool import PoolConfig
+from pyllamapool.native.tools import tool_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,10 +17,10 @@ import numpy as np
 
 os.environ["GGML_OP_OFFLOAD_MIN_BATCH"] = "1"
 
-from pyllamapool.decode import run_context  # noqa: E402
-from pyllamapool.llama import Context, Model, devices  # noqa: E402
-from pyllamapool.pool import PoolConfig  # noqa: E402
-from pyllamapool.testmodel import ModelSpec, StreamSpec, token_stream  # noqa: E402
+from pyllamapool.run.decode import run_context  # noqa: E402
+from pyllamapool.binding.llama import Context, Model, devices  # noqa: E402
+from pyllamapool.binding.pool import PoolConfig  # noqa: E402
+from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream  # noqa: E402
 
 STREAM = token_stream(ModelSpec(), StreamSpec(n_tokens=48, seed=3))
 CHURN = np.random.default_rng(0).integers(0, ModelSpec().n_vocab, size=120).tolist()

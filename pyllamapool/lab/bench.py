@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pool import DEFAULT_POLICY, Policy
-from ..trace import Trace
+from ..binding.pool import DEFAULT_POLICY, Policy
+from ..run.trace import Trace
 from .policies import POLICIES, PolicyStats, layer_steps
 from .synth import PRESETS, Preset, generate
 
@@ -266,7 +266,7 @@ def modes_rows(presets: list[str] | None = None, fractions: tuple[float, ...] = 
     and the upload budget priced on MODES_PROFILE. Prefetch draws its predictions at `overlap` (the
     published 0.61 by default): the presets route each layer on its own, so there is nothing to
     predict from in them."""
-    from .. import predict as P
+    from . import predict as P
     from .policies import belady, layer_steps
     from .prefetch import PUBLISHED_OVERLAP
 

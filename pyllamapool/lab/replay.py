@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pool import DEFAULT_POLICY, PoolCounters, Policy
-from ..trace import Trace
+from ..binding.pool import DEFAULT_POLICY, PoolCounters, Policy
+from ..run.trace import Trace
 
 
 @dataclass(frozen=True)

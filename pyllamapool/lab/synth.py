@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import PyllamapoolError
-from ..trace import Trace
+from ..run.trace import Trace
 
 
 @dataclass(frozen=True)

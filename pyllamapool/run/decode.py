@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PyllamapoolError
-from .llama import Context, Model, Sampler
+from ..errors import PyllamapoolError
+from ..binding.llama import Context, Model, Sampler
 from .offload import Offload
 
 

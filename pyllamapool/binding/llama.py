@@ -18,9 +18,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _ffi, logs
-from . import rpc as rpc_helper
+from ..run import rpc as rpc_helper
 from . import pool as pool_api
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 from .pool import MemoryRow, PoolConfig, PoolCounters, PoolReport, PoolStatus
 from .moecache import MoeCacheStats
 from .moecache import parse_stats as parse_moe_cache_stats
@@ -102,7 +102,7 @@ def _connects(endpoint: str, timeout: float = 1.0) -> bool:
 
 
 def _endpoint_alive(endpoint: str) -> bool:
-    """Whether an RPC server is still there. Servers started by pyllamapool.rpc are checked by
+    """Whether an RPC server is still there. Servers started by pyllamapool.run.rpc are checked by
     their process (and ones it stopped are dead); others are assumed alive: probing with a
     connection would queue behind the client the (single-client) server is serving and can fill
     its accept backlog."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths
-from .errors import SourceError
+from ..errors import SourceError
 
 _HOTFIX_ACTIONS = ("revert", "keep")
 

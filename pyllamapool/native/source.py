@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from . import paths
-from .errors import SourceError
+from ..errors import SourceError
 from .pin import Hotfix, Pin
 from .runner import Runner
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .decode import RunResult, run_context
-from .errors import PyllamapoolError
-from .llama import Context, Sampler, local_gpus
-from .moecache import MoeCacheStats
+from ..errors import PyllamapoolError
+from ..binding.llama import Context, Sampler, local_gpus
+from ..binding.moecache import MoeCacheStats
 from .offload import Offload
-from .pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
+from ..binding.pool import MemoryRow, PoolConfig, PoolCounters, PoolInfo, PoolStatus
 
 
 @dataclass

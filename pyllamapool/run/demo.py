@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from .paths import cache_dir
-from .pool import PoolConfig
+from ..native.paths import cache_dir
+from ..binding.pool import PoolConfig
 from .rpc import start_rpc_server
 from .offload import Offload
 from .session import PoolSession, has_accelerator

@@ -13,9 +13,9 @@ import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .errors import PyllamapoolError
-from .offload import Offload
-from .pool import PoolConfig
+from ..errors import PyllamapoolError
+from ..run.offload import Offload
+from ..binding.pool import PoolConfig
 
 #: a pool is recommended only when its measured (or predicted) t/s beats stock by this much: below it
 #: a short run cannot tell the two apart, and stock is the safer default
@@ -103,12 +103,12 @@ def tune(model: str | Path, offload: Offload, *, device_mib: int | tuple[int, ..
          modes: tuple[str, ...] = ("hybrid", "copy"), n_tokens: int = 64, profile: str = "rtx3090-pcie4",
          console=None) -> TuneResult:
     from . import predict as P
-    from .llama import devices
-    from .measure import measure_host, measure_link
+    from ..binding.llama import devices
+    from ..run.measure import measure_host, measure_link
     from .plan import plan
-    from .session import has_accelerator
-    from .sweep import SweepGrid, run_sweep
-    from .testmodel import StreamSpec, spec_of, token_stream
+    from ..run.session import has_accelerator
+    from ..run.sweep import SweepGrid, run_sweep
+    from ..run.testmodel import StreamSpec, spec_of, token_stream
 
     bad = [m for m in modes if m not in ("hybrid", "copy")]
     if bad or not modes:

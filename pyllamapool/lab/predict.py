@@ -34,9 +34,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .errors import PyllamapoolError
-from .lab import arbiter, placement, policies, prefetch, synth
-from .trace import Trace
+from ..errors import PyllamapoolError
+from . import arbiter, placement, policies, prefetch, synth
+from ..run.trace import Trace
 
 MODES = ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto")
 #: the product's default mode (`-mec N` alone)
@@ -246,7 +246,7 @@ def geometry_from_gguf(path: str | Path, profile: HardwareProfile, n_host_layers
     (every tensor but the host experts and the token embedding) plus a per-block overhead."""
     import gguf
 
-    from .trace import expert_bytes_from_gguf
+    from ..run.trace import expert_bytes_from_gguf
 
     per_layer = expert_bytes_from_gguf(path)
     if not per_layer:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import _ffi
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 
 LIMITS = ("slots", "rail", "cap")
 MAX_DEVICES = 16

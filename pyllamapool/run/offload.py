@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .llama import Model
+from ..binding.llama import Model
 
 
 @dataclass(frozen=True)

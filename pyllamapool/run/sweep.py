@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .pool import PoolConfig
+from ..binding.pool import PoolConfig
 from .offload import Offload
 from .session import PoolSession
 

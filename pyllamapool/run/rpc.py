@@ -5,7 +5,7 @@ loopback as a GPU is over PCIe: run layers there with `--rpc ENDPOINT -ngl 99`, 
 host with `--n-cpu-moe`, and an expert pool lives on that device. Only 127.0.0.1 is ever bound.
 
 On Linux a server dies with the process that started it, also when that process aborts or is
-killed (pyllamapool.childproc: the parent-death signal).
+killed (pyllamapool.run.childproc: the parent-death signal).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .childproc import popen_tied
-from .errors import PyllamapoolError
-from .tools import tool_path
+from ..errors import PyllamapoolError
+from ..native.tools import tool_path
 
 LOOPBACK = "127.0.0.1"
 

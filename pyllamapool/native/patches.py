@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths, source, sourcesize
-from .errors import PatchError
+from ..errors import PatchError
 from .pin import Pin
 from .runner import Runner
 

@@ -5,13 +5,13 @@ import os
 from pathlib import Path
 
 from . import paths
-from .errors import LibraryNotFound
+from ..errors import LibraryNotFound
 
 TOOLS = ("llama-server", "llama-cli", "llama-bench", "llama-quantize", "ggml-rpc-server")
 
 
 def bin_dirs() -> list[Path]:
-    from ._ffi import candidate_dirs
+    from ..binding._ffi import candidate_dirs
     override = os.environ.get(paths.LIB_DIR_ENV)
     if override:
         return [Path(override).parent / "bin", Path(override)]

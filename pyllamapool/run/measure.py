@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 
 
 @dataclass
@@ -29,7 +29,7 @@ class HostMeasurement:
 
 def measure_host(expert_type: str = "Q4_K", n_embd: int = 2048, n_ff: int = 768, threads: int | None = None,
                  top_k: int = 8, working_set_mib: int = 512, seconds: float = 2.0) -> HostMeasurement:
-    from .llama import backend
+    from ..binding.llama import backend
 
     ffi, lib = backend()
     type_id = getattr(lib, f"GGML_TYPE_{expert_type}", None)
@@ -98,7 +98,7 @@ def measure_host(expert_type: str = "Q4_K", n_embd: int = 2048, n_ff: int = 768,
 def measure_link(device_name: str, mib: int = 256, repeats: int = 5) -> dict:
     """Host -> device copies through the backend API: big copies from pageable and from pinned host
     memory (GB/s), and the latency of one small copy."""
-    from .llama import backend
+    from ..binding.llama import backend
 
     ffi, lib = backend()
     dev = lib.ggml_backend_dev_by_name(device_name.encode())

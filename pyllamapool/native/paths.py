@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 PROJECT_ROOT = PACKAGE_DIR.parent
 
 #: Environment variable naming a folder that holds the built libllama / libggml (and bin/ beside it).

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from . import buildsys, paths, vulkan_deps
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 from .patches import check_patches, export_patches, prepare
 from .pin import Pin
 from .runner import Runner

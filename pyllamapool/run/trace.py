@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 
 TOPK_TENSOR = re.compile(r"^ffn_moe_topk-(\d+)$")
 
@@ -176,7 +176,7 @@ def record_trace(model, prompt: Sequence[int], stream: Sequence[int], *, n_ctx: 
 
     Only decode steps are recorded (the prompt's prefill is not), one row per streamed token.
     """
-    from .llama import Context
+    from ..binding.llama import Context
 
     recorder = TraceRecorder()
     with Context(model, n_ctx=n_ctx, n_threads=n_threads, observe=recorder.wants,
@@ -197,7 +197,7 @@ class PoolTraceRecorder:
     selected experts and whether each lookup missed. Only pooled (decode-shaped) steps are seen."""
 
     def __init__(self, ctx) -> None:
-        from . import _ffi
+        from ..binding import _ffi
         ffi, lib, _ = _ffi.load()
         self.steps: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
         self._current: dict[int, tuple[np.ndarray, np.ndarray]] = {}

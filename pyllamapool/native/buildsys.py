@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import paths, vulkan_deps
-from .errors import BuildError, PyllamapoolError, ToolchainError
+from ..errors import BuildError, PyllamapoolError, ToolchainError
 from .runner import Runner
 
 TARGETS = ("cpu", "cuda", "hip", "vulkan")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .errors import PyllamapoolError
-from .pool import PoolConfig
-from .rpc import start_rpc_server
-from .offload import Offload
-from .session import PoolRun, PoolSession, has_accelerator
+from ..errors import PyllamapoolError
+from ..binding.pool import PoolConfig
+from ..run.rpc import start_rpc_server
+from ..run.offload import Offload
+from ..run.session import PoolRun, PoolSession, has_accelerator
 
 
 @dataclass

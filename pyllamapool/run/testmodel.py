@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 
 #: qwen3moe; qwen2moe (a gated shared expert); glm4moe (sigmoid routing with a bias, one shared expert, and
 #: one MTP layer after the trunk, for llama-server --spec-type draft-mtp)
@@ -255,7 +255,7 @@ def write_model(spec: ModelSpec, path: Path, quantize_bin: Path | None = None) -
     # K-quants and IQ types: the pinned tree's llama-quantize converts the experts; the override
     # only applies with a quantized base type, so the other matrices become Q8_0
     if quantize_bin is None:
-        from .tools import tool_path
+        from ..native.tools import tool_path
         quantize_bin = tool_path("llama-quantize")
     with tempfile.TemporaryDirectory() as tmp:
         f32 = Path(tmp) / "f32.gguf"
@@ -413,7 +413,7 @@ def widen_experts(src: str | Path, dst: str | Path, n_expert: int, seed: int = 0
 
 
 def default_model_dir() -> Path:
-    from .paths import cache_dir
+    from ..native.paths import cache_dir
     return cache_dir() / "models"
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import PyllamapoolError
+from ..errors import PyllamapoolError
 from .testmodel import ModelSpec, default_model_dir, generator_digest, new_writer, _weights
 
 
