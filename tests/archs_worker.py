@@ -1,17 +1,20 @@
 """One architecture's sweep cases, run in a process of their own (test_archs.py starts it), so that
 an abort inside llama.cpp ends this process and not pytest: `python tests/archs_worker.py CASES.json`.
 
-The worker starts its own loopback RPC server (it dies with the worker, abort or not), then for
+Each case names its device: the loopback RPC device (a server the worker starts, which dies with
+it, abort or not; its copies are synchronous) or the lazy-copy test device (its copies read their
+sources only when its queue runs, so an ordering bug is a wrong logit there). Then for
 each case prints `@@begin ID` before it starts and `@@result JSON` when it is done: whoever reads the
 output knows which case an abort interrupted, and starts the worker again with the cases after it.
 
-Every case compares pooled decode (experts on the host, layers on the RPC device, the pool on) with
+Every case compares pooled decode (experts on the host, layers on the device, the pool on) with
 the all-resident run on the same device, logit for logit, over one scenario: prompts of 1, 5 and 32
 tokens decoded in one batch, each followed by single-token steps, then two sequences in one batch
 (llama-server -np 2).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import sys
@@ -38,6 +41,7 @@ class Case:
     model: str
     mode: str
     slots: tuple[int, ...]
+    device: str = "rpc"   # or "lazy"
     cpu_moe: bool = True
     cpu_overrides: tuple[str, ...] = ()
 
@@ -116,23 +120,24 @@ def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int)
 def main(cases_file: str) -> None:
     cases = [Case(**{**c, "slots": tuple(c["slots"]), "cpu_overrides": tuple(c["cpu_overrides"])})
              for c in json.load(open(cases_file))]
-    references: dict[str, list[np.ndarray]] = {}
+    references: dict[tuple, list[np.ndarray]] = {}
     models: dict[tuple, Model] = {}
-    with start_rpc_server() as server:
-        rpc = [server.endpoint]
+    rpc_needed = any(c.device == "rpc" for c in cases)
+    with start_rpc_server() if rpc_needed else contextlib.nullcontext() as server:
+        on = {"rpc": {"rpc": [server.endpoint]} if server else {}, "lazy": {"lazy_copy": True}}
         try:
             for case in cases:
                 print(f"{MARK}begin {case.id}", flush=True)
                 try:
-                    if case.model not in references:
-                        resident = Model(case.model, n_gpu_layers=99, rpc=rpc)
-                        references[case.model] = scenario(resident, None)[0]
+                    if (case.model, case.device) not in references:
+                        resident = Model(case.model, n_gpu_layers=99, **on[case.device])
+                        references[case.model, case.device] = scenario(resident, None)[0]
                         resident.close()
-                    key = (case.model, case.cpu_moe, case.cpu_overrides)
+                    key = (case.model, case.device, case.cpu_moe, case.cpu_overrides)
                     if key not in models:
-                        models[key] = Model(case.model, n_gpu_layers=99, rpc=rpc, cpu_moe=case.cpu_moe,
+                        models[key] = Model(case.model, n_gpu_layers=99, **on[case.device], cpu_moe=case.cpu_moe,
                                             cpu_overrides=case.cpu_overrides)
-                    runs = [asdict(pooled_run(models[key], references[case.model], case.mode, s))
+                    runs = [asdict(pooled_run(models[key], references[case.model, case.device], case.mode, s))
                             for s in case.slots]
                     result = {"id": case.id, "runs": runs}
                 except Exception as exc:  # a Python-side failure is this case's, not the worker's

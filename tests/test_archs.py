@@ -1,4 +1,6 @@
-"""Every MoE architecture llama.cpp's test-llama-archs makes, pooled on the loopback RPC device.
+"""Every MoE architecture llama.cpp's test-llama-archs makes, pooled on the loopback RPC device and on
+the lazy-copy test device (whose copies read their sources only when its queue runs: an ordering bug
+that the RPC device's synchronous copies hide is a wrong logit there).
 
 The list comes from what the tool writes (its `-moe` models), so an architecture added upstream
 joins the sweep by itself. Each model with fewer than eight experts (most have two) is widened to eight
@@ -13,7 +15,7 @@ Each architecture runs in a worker process (archs_worker.py): an abort fails tha
 cases, with the worker's stderr, and the worker starts again with the cases after the one it was in.
 
     python -m pytest -q tests/test_archs.py      # the tests
-    python tests/test_archs.py [ARCH_REGEX]      # the same sweep as a table (arch x variant x mode)
+    python tests/test_archs.py [ARCH_REGEX]      # the same sweep as a table (arch x variant x device x mode)
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ WORKER = Path(__file__).resolve().parent / "archs_worker.py"
 ROOT = Path(__file__).resolve().parent.parent
 N_EXPERT = 8
 MODES = ("copy", "hybrid")
+#: the loopback RPC device (synchronous copies) and the lazy-copy test device (copies that read their
+#: sources when its queue runs: an upload or a table published too early is a wrong logit there)
+DEVICES = ("rpc", "lazy")
 #: the optional per-expert scales test-llama-archs gives some architectures
 EXPERT_SCALES = r"_(ch)?exps\.(scale|input_scale)$"
 #: only the expert weights on the host: biases (and scales) stay on the device with the layer
@@ -54,10 +59,11 @@ class SweepCase:
     arch: str
     variant: str      # "as-made", "no-scales" or "weights-on-host"
     mode: str
+    device: str = "rpc"
 
     @property
     def id(self) -> str:
-        return f"{self.arch}/{self.variant}/{self.mode}"
+        return f"{self.arch}/{self.variant}/{self.mode}/{self.device}"
 
 
 @dataclass
@@ -199,7 +205,7 @@ def sweep_cases(arch_filter: str = "") -> list[SweepCase]:
         variants = ["as-made"] + (["no-scales"] if has_expert_scales(path) else [])
         if arch == "gpt-oss":
             variants.append("weights-on-host")
-        cases += [SweepCase(arch, v, m) for v in variants for m in MODES]
+        cases += [SweepCase(arch, v, m, d) for v in variants for d in DEVICES for m in MODES]
     return cases
 
 
@@ -232,6 +238,7 @@ def variant_model(arch: str, variant: str) -> Path:
 def worker_case(case: SweepCase, top_k: int) -> dict:
     weights_only = case.variant == "weights-on-host"
     return {"id": case.id, "model": str(variant_model(case.arch, case.variant)), "mode": case.mode,
+            "device": case.device,
             # top-k slots (every step evicts) and a few more
             "slots": [top_k, top_k + 3], "cpu_moe": not weights_only,
             "cpu_overrides": [WEIGHTS_ONLY] if weights_only else []}
@@ -398,9 +405,10 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         results = sweep_arch([c for c in cases if c.arch == arch])
         for variant in dict.fromkeys(c.variant for c in cases if c.arch == arch):
-            cells = [results[SweepCase(arch, variant, m)].summary() for m in MODES]
-            rows.append((arch, variant, *cells))
-            print(f"| {arch} | {variant} | {' | '.join(cells)} |", flush=True)
+            for device in DEVICES:
+                cells = [results[SweepCase(arch, variant, m, device)].summary() for m in MODES]
+                rows.append((arch, variant, device, *cells))
+                print(f"| {arch} | {variant} | {device} | {' | '.join(cells)} |", flush=True)
         print(f"<!-- {arch}: {time.monotonic() - t0:.1f} s -->", flush=True)
         for r in results.values():
             if r.abort or r.problems():
