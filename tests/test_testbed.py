@@ -13,6 +13,7 @@ import pytest
 from pyllamapool.run.decode import run, run_context
 from pyllamapool.run.offload import Offload
 from pyllamapool.errors import PyllamapoolError
+from pyllamapool.binding import logs
 from pyllamapool.binding.llama import Context, Model, ModelLoadError, Sampler
 from pyllamapool.run.rpc import RpcServer, RpcServerError, start_rpc_server
 from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream, write_model
@@ -333,6 +334,14 @@ def test_llama_cpp_info_logs_arrive_as_info(qwen3_model, caplog):
         Model(qwen3_model).close()
     levels = {r.levelno for r in caplog.records if "load_tensors" in r.getMessage()}
     assert logging.INFO in levels
+
+
+def test_a_capture_ended_inside_another_leaves_the_outer_one_capturing(qwen3_model):
+    with logs.capture() as outer:
+        with logs.capture() as inner:
+            pass  # both empty, so equal: the inner one ends, not the outer one
+        Model(qwen3_model).close()
+    assert not inner and any("load_tensors" in text for _, text in outer)
 
 
 def expert_bytes(path) -> int:

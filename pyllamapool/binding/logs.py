@@ -87,7 +87,8 @@ def capture() -> Iterator[list[tuple[int, str]]]:
         yield lines
     finally:
         with _lock:
-            _captures.remove(lines)
+            # by identity: nested captures may hold equal lists, and list.remove compares by value
+            del _captures[next(i for i, c in enumerate(_captures) if c is lines)]
 
 
 def errors_in(lines: list[tuple[int, str]]) -> list[str]:
