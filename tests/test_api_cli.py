@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from pyllamapool.binding import logs
 from pyllamapool.errors import PyllamapoolError
 from pyllamapool.lab.plan import plan
 from pyllamapool.binding.pool import PoolConfig
@@ -119,6 +121,30 @@ def test_plan_agrees_with_a_real_run_on_the_rpc_device(qwen3_model, rpc_server):
     assert planned.limited_by == "rail" and planned.enabled
     assert (planned.actual_slots, planned.bytes, planned.cap, planned.ceiling, planned.limited_by) == \
         (real.actual_slots, real.bytes, real.cap, real.ceiling, real.limited_by)
+
+
+def test_a_pool_asked_for_and_not_made_warns_but_a_what_if_plan_of_it_does_not(qwen3_model, rpc_server):
+    """Where -mec asks for a pool that does not fit, a real context says so at WARN, which llama.cpp's
+    tools show by default; a what-if plan of the same (a no_alloc model, as memory fitting probes) runs
+    nothing, and reports the same line at INFO."""
+    offload = Offload(rpc=(rpc_server.endpoint,), cpu_moe=True, n_ctx=2048)
+    cfg = PoolConfig(slots=16, device_mib=1024, rail_mib=1024)  # the rail leaves nothing
+
+    def status_levels(run) -> list[tuple[int, str]]:
+        with logs.capture() as got:
+            run()
+        return [(level, text) for level, text in got if text.startswith("expert pool status=")]
+
+    planned = status_levels(lambda: plan(qwen3_model, offload, cfg))
+
+    def real():
+        with PoolSession(qwen3_model, offload) as session:
+            assert not session.plan(cfg).status.enabled
+    made = status_levels(real)
+    assert [level for level, _ in planned] == [logging.INFO]
+    assert [level for level, _ in made] == [logging.WARNING]
+    assert "status=disabled reason=no-room requested_slots=16" in planned[0][1]
+    assert planned[0][1].split(" cap=")[0] == made[0][1].split(" cap=")[0]
 
 
 def test_plan_without_a_device_size_or_pool_is_a_clear_error(qwen3_model):

@@ -65,18 +65,28 @@ def _stop(proc, reader) -> None:
 
 
 @contextmanager
-def llama_server_argv(argv: list[str]):
-    """(port, log lines) of a server started from argv on a free loopback port, stopped afterwards."""
-    proc, port, lines, reader = _start([*argv, "--host", "127.0.0.1"])
+def llama_server_argv(argv: list[str], verbosity: int | None = 4):
+    """(port, log lines) of a server started from argv on a free loopback port, stopped afterwards.
+    The pool's lines are libllama INFO lines, which llama.cpp's tools show from -lv 4 (a -v or -lv of
+    the caller's stands)."""
+    asked = {"-v", "--verbose", "-lv", "--verbosity", "--log-verbosity"} & set(argv)
+    extra = ["-lv", str(verbosity)] if verbosity is not None and not asked else []
+    proc, port, lines, reader = _start([*argv, "--host", "127.0.0.1", *extra])
     try:
         yield port, lines
     finally:
         _stop(proc, reader)
 
 
-def llama_server(model, *args: str):
+def llama_server(model, *args: str, verbosity: int | None = 4):
     return llama_server_argv([str(tool_path("llama-server")), "-m", str(model), "-c", "2048", "-t", "1",
-                              "--no-warmup", *args])
+                              "--no-warmup", *args], verbosity)
+
+
+def report_lines(lines: list[str]) -> list[str]:
+    """The pool's key=value report lines ("expert pool status=...") among a tool's log lines, not the
+    tools' own diagnostics about it ("expert pool: ...")."""
+    return [l for l in lines if "expert pool " in l]
 
 
 def complete(port: int, prompt: str, n: int = 24) -> dict:
@@ -151,6 +161,10 @@ def test_speculative_decoding_keeps_the_target_pool_and_its_tokens(make_model, r
     assert "status=enabled" in status[0] and "mode=hybrid" in status[0]
     if "-md" in spec or "draft-mtp" in spec:
         assert any("status=disabled reason=draft-context" in l for l in status[1:])
+        # a draft context never gets a pool: that is no warning, so the default verbosity shows nothing
+        with llama_server(model, *args, "-mec", "6", verbosity=None) as (port, quiet):
+            assert complete(port, prompt, 4)["content"]
+        assert not report_lines(quiet)
     assert "expert pool first-use=active" in text
     runtime = next(l for l in lines if "expert pool runtime" in l)
     assert int(runtime.split(" steps=")[1].split()[0]) > 0
@@ -175,6 +189,24 @@ def test_a_draft_model_s_weights_are_left_free_on_the_device(qwen3_model, make_m
     draft_mib = -(-draft.stat().st_size // 2**20)
     assert f"expert pool: leaving {draft_mib} MiB for the draft model's weights" in text
     assert caps["alone"] - caps["with-draft"] >= draft_mib * 2**20
+
+
+def test_at_the_default_verbosity_only_a_pool_asked_for_and_not_made_is_reported(qwen3_model, rpc_server, monkeypatch):
+    """The pool reports through libllama's log as upstream's MoE cache does: what it does at INFO, which
+    llama.cpp's tools show from -lv 4, and a warning, shown by default, where -mec asked for a pool
+    that is not there (here every expert already sits on the device)."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99", "-mec", "8", verbosity=None) as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    status = [l for l in lines if "expert pool status=" in l]
+    assert len(status) == 1 and "status=disabled reason=no-offloaded-experts requested_slots=8" in status[0]
+    args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "-mec", "8"]
+    with llama_server(qwen3_model, *args, verbosity=None) as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    assert not report_lines(lines)
+    with llama_server(qwen3_model, *args) as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    assert any("expert pool status=enabled" in l for l in lines) and any("expert pool runtime" in l for l in lines)
 
 
 @pytest.mark.parametrize("flag", ["-mec", "--moe-expert-cache"])
@@ -216,6 +248,10 @@ def test_server_takes_the_slot_count_from_the_environment_and_a_list_per_device(
     status = [l for l in lines if "expert pool status=" in l]
     assert len(status) == 2 and all("status=enabled" in l and " device=" in l for l in status)
     assert ["requested_slots=4" in status[0], "requested_slots=8" in status[1]] == [True, True]
+    # a device given no slots is no warning: the default verbosity shows nothing of a pool that runs
+    with llama_server(qwen3_model, "--rpc", rpc, "-ngl", "99", "--cpu-moe", "-mec", "0,8", verbosity=None) as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    assert not report_lines(lines)
 
 
 def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_server):
@@ -232,21 +268,23 @@ def test_llama_bench_sweeps_the_slot_count_in_an_mec_column(qwen3_model, rpc_ser
     assert result.stderr.count("expert pool status=enabled") == 1  # -mec 0: no pool at all
 
 
-def test_llama_bench_reads_the_profile_named_in_the_environment_and_refuses_one_it_cannot_read(
+def test_llama_bench_reads_the_profile_named_in_the_environment_once_and_refuses_one_it_cannot_read_up_front(
         qwen3_model, rpc_server, tmp_path):
     profile = tmp_path / "profile.txt"
     profile.write_text("blk.0 0.5\nblk.1 two\nblk.3 4\n")
     argv = [str(tool_path("llama-bench")), "-m", str(qwen3_model), "--rpc", rpc_server.endpoint, "-ngl", "99",
-            "-ncmoe", "99", "-mec", "8", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-v"]
+            "-ncmoe", "99", "-mec", "0,8,12", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "csv", "-v"]
     env = {**os.environ, "LLAMA_MOE_POOL_DEVICE_MIB": "65536", "LLAMA_MOE_POOL_PROFILE": str(profile)}
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"expert pool: profile {profile}: line 2: the weight is not a positive number" in result.stderr
-    status = next(l for l in result.stderr.splitlines() if "expert pool status=enabled" in l)
-    assert "alloc=weighted" in status and f"profile={profile}" in status
+    assert result.stderr.count(f"expert pool: profile {profile}: line 2: the weight is not a positive number") == 1
+    status = [l for l in result.stderr.splitlines() if "expert pool status=enabled" in l]
+    assert len(status) == 2 and all("alloc=weighted" in l and f"profile={profile}" in l for l in status)
+    # a profile that cannot be read stops the bench before its first test, -mec 0's included
     missing = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                              env={**env, "LLAMA_MOE_POOL_PROFILE": str(tmp_path / "none.txt")})
     assert missing.returncode != 0 and f"profile {tmp_path / 'none.txt'} cannot be read" in missing.stderr
+    assert len(list(csv.DictReader(io.StringIO(missing.stdout)))) == 0, missing.stdout
 
 
 def test_llama_bench_crosses_the_slot_count_with_micro_batch_sizes_and_prompt_plus_generation(qwen3_model,
