@@ -280,6 +280,41 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert report["cxx_runtime"]["without_rule"]["loaded"]
     markdown = (tmp_path / "gpu-check.md").read_text()
     assert markdown in result.stdout and "| other-cards | copy | stream | 65536 | 8 |" in markdown
+    # `predict` puts a finished report's predictions back, as the run made them
+    made = {i: r["predicted_tps"] for i, r in enumerate(rows) if "predicted_tps" in r}
+    for r in rows:
+        r.pop("predicted_tps", None)
+    out.write_text(json.dumps(report))
+    again = _gpu_check("predict", str(out), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {i: r["predicted_tps"] for i, r in enumerate(rows) if "predicted_tps" in r} == pytest.approx(made)
+    assert (tmp_path / "gpu-check.md").read_text() == markdown
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_type_that_differs_only_where_cuda_fuses_passes_when_it_equals_the_all_resident_run():
+    verdict = _gpu_check_module().type_parity
+    assert verdict({"bit_identical": True}) == "="
+    fused_only = {"bit_identical": False, "max_abs_diff": 0.59, "fusion_off": {"bit_identical": True}}
+    # the H200's first run had no all-resident comparison: a difference, with what fusion off showed
+    assert verdict(fused_only) == "differs (0.59; fusion off: =)"
+    assert verdict({**fused_only, "bit_identical_to_resident": True}).startswith("= resident")
+    assert verdict({**fused_only, "bit_identical_to_resident": False}) == \
+        "differs (0.59; fusion off: =; vs all-resident: differs)"
+    # differing with fusion off too is a difference, whatever the resident run says
+    assert verdict({"bit_identical": False, "max_abs_diff": 0.1, "fusion_off": {"bit_identical": False},
+                    "bit_identical_to_resident": True}).startswith("differs")
+    assert verdict({"error": "rc 1"}) == "ERROR" and verdict({"skipped": "deadline"}) == "skipped"
 
 
 def test_the_gpu_check_stops_at_its_deadline_and_keeps_what_it_measured(tmp_path):

@@ -271,6 +271,22 @@ def test_a_gpu_check_report_is_a_profile():
     assert prof.host_expert_gb_s == pytest.approx(expert_bytes / (report["host_expert_ms"] * 1e-3) / 1e9)
 
 
+def test_a_gpu_check_profile_gives_stock_the_resident_runs_device_time():
+    """The host's cost per expert is what the stock run spends beyond the all-resident one, less a
+    round trip per host layer: calibrated back on the stock run, the device's own time is the
+    resident run's (at Qwen3-30B-A3B's shape the whole gap had been given to the experts, which
+    left the device no time at all and the check no prediction)."""
+    path = ROOT / "benchmarks" / "results" / "gpu-check-h200-qwen3-30b-a3b.json"
+    report = json.loads(path.read_text())
+    prof = P.HardwareProfile.from_gpu_check(path)
+    spec = report["spec"]
+    rows = {r["mode"]: r for r in report["rows"] if r["step"] in ("first-card", "resident")}
+    g = P.Geometry("check", spec["n_layer"], spec["n_expert"], spec["n_expert_used"],
+                   P._expert_bytes_of_spec(spec), dense_ms=1.0)
+    dense = P.dense_ms_from_stock(rows["stock"]["decode_tps"], g.n_host_layers, g.top_k, P.expert_costs(g, prof))
+    assert dense == pytest.approx(1000.0 / rows["resident"]["decode_tps"], rel=1e-9)
+
+
 def test_the_single_workload_qwen_preset_matches_its_published_hit_rates():
     for _, slots, published, synthetic in bench.lru_calibration(["qwen3.8-flash-next-hot"]):
         assert abs(published - synthetic) < 0.05, (slots, published, synthetic)

@@ -102,12 +102,16 @@ class HardwareProfile:
                    pcie_gb_s=up.get("pinned_gb_s") or up["pageable_gb_s"], pageable_gb_s=up["pageable_gb_s"],
                    copy_latency_us=up["copy_latency_us_64k"], host_expert_gb_s=host_expert_gb_s,
                    device_gb_s=host_expert_gb_s if testbed else DEVICE_GB_S.get(dev["description"], 500.0),
-                   sync_us=20.0,
+                   sync_us=GPU_CHECK_SYNC_US,
                    sources={"pcie_gb_s": f"{source}: pinned upload", "pageable_gb_s": f"{source}: pageable upload",
                             "copy_latency_us": f"{source}: 64 KiB copy",
                             "host_expert_gb_s": f"{source}: host cost per CPU expert",
                             "device_gb_s": "datasheet (70%)", "sync_us": "assumed"})
 
+
+#: the host <-> device round trip a GPU check's profile assumes (the check does not measure it); the
+#: check takes it out of the stock-minus-resident gap before it divides the rest among the host experts
+GPU_CHECK_SYNC_US = 20.0
 
 #: the GPU check's report schemas a profile can be read from
 GPU_CHECK_SCHEMAS = ("pyllamapool.gpu-check/1", "pyllamapool.gpu-check/2")
