@@ -9,7 +9,8 @@ Each repeat runs every design once, in turn, and the ratios are taken within a r
 "device" shares the host's cores, and their speed drifts between minutes). The model is the
 generated one of the other side-by-side benchmarks: its routers are random, and how well one layer's
 router predicts the next layer's experts from the previous hidden state (the precision column) is that
-model's, not a trained model's. On RPC uploads take the inline path, where auto does not prefetch.
+model's, not a trained model's. Uploads take the stream path wherever the device has events (asked for:
+the default takes it only for pinned experts); RPC has none, and there auto does not prefetch.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def measure(args) -> list[dict]:
             for _ in range(args.repeats):
                 runs["stock"].append(one_run(model, stream))
                 for name, prefetch in DESIGNS:
-                    run = one_run(model, stream, pool=PoolConfig(slots=slots, mode="hybrid", prefetch=prefetch, **size))
+                    run = one_run(model, stream, pool=PoolConfig(slots=slots, mode="hybrid", prefetch=prefetch,
+                                                                         uploads="stream", **size))
                     runs[name].append(run)
                     print({"slots": slots, "design": name, "tps": round(run["tps"], 1),
                            "prefetched": round(run["prefetched"], 2)}, file=sys.stderr, flush=True)

@@ -99,8 +99,8 @@ def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], C
 
 
 def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int) -> Run:
-    # hybrid with prefetch on: on a GPU the default (auto) prefetches wherever the link has room, on
-    # the RPC device's inline path it would not, and each architecture's router must predict
+    # hybrid with prefetch on: the default (auto) prefetches only on the stream path, where the link
+    # has room, which the RPC device's inline path is not, and each architecture's router must predict
     pool = PoolConfig(slots=slots, device_mib=65536, mode=mode, prefetch="on" if mode == "hybrid" else None)
     logits, ctx = scenario(model, pool)
     report = ctx.pool_report(per_pool=True)

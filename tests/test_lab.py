@@ -229,7 +229,7 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     report = json.loads(out.read_text())
     assert report["schema"] == "pyllamapool.gpu-check/2" and report["device"]["name"].startswith("RPC")
     assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "hybrid-rules",
-                                                     "auto-first", "inline-first", "other-cards", "resident",
+                                                     "auto-first", "uploads-first", "other-cards", "resident",
                                                      "parity", "parity-types", "cxx-runtime"]
     assert all(s["status"] == "done" and s["wall_s"] >= 0 and s["est_s"] > 0 for s in report["steps"])
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
@@ -249,6 +249,9 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     big = [r for r in by_step["other-cards"] if r["mode"] in ("copy", "hybrid")]
     assert len(big) == 4 and all(r["status"] == "enabled" and r["uploads"] == "stream" for r in big)
     assert any(r["cpu_experts"] > 0 for r in big if r["mode"] == "hybrid")
+    # the other upload path on the first card (which, here, admits no pool: other_upload_path's test)
+    assert sorted((r["mode"], r["mec"]) for r in by_step["uploads-first"]) == [
+        ("copy", 4), ("copy", 8), ("hybrid", 4), ("hybrid", 8)]
     copied = [r["copy_bytes_per_token"] for r in sorted((r for r in big if r["mode"] == "copy"), key=lambda r: r["mec"])]
     assert copied[0] > copied[-1]
     assert all(r["block_ms_per_token"] >= 0 for r in big)
@@ -300,6 +303,18 @@ def _gpu_check_module():
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_check_times_the_upload_path_the_first_cards_pools_did_not_take():
+    other = _gpu_check_module().other_upload_path
+    pool = {"step": "first-card", "mode": "copy", "status": "enabled"}
+    stock = {"step": "first-card", "mode": "stock", "status": "disabled", "uploads": "-"}
+    # a GPU with mapped experts: the default is inline, so stream is timed beside it, and the reverse
+    assert other([stock, {**pool, "uploads": "inline"}], None) == "stream"
+    assert other([stock, {**pool, "uploads": "stream"}], None) == "inline"
+    # no pool admitted: the path asked for decides (the testbed asks for stream), else the default's
+    assert other([stock, {**pool, "status": "disabled", "uploads": "-"}], "stream") == "inline"
+    assert other([stock], None) == "stream"
 
 
 def test_a_type_that_differs_only_where_cuda_fuses_passes_when_it_equals_the_all_resident_run():

@@ -134,9 +134,9 @@ def test_two_sequences_in_one_batch_are_bit_identical(qwen3_model, stream, mode)
 
 
 def test_without_pinned_memory_the_default_upload_path_is_inline(qwen3_model, stream, monkeypatch):
-    """Stream uploads pay where copies from pinned memory run while the host goes on; the lazy device
-    has events but no host buffer type, so the pool takes the inline path unless asked (a setting, or
-    LLAMA_MOE_POOL_UPLOADS), and says so."""
+    """By default stream uploads go only where the experts already sit in the device's pinned memory;
+    the lazy device has events but no host buffer type, so its experts never do, and the pool takes the
+    inline path unless asked (a setting, or LLAMA_MOE_POOL_UPLOADS), and says so."""
     model = on_lazy(qwen3_model, cpu_moe=True)
     _, _, status, lines = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
     _, _, asked, asked_lines = decode(model, stream[:24], pool(slots=4), n_prompt=1)

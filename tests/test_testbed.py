@@ -296,11 +296,14 @@ def test_missing_server_binary_is_a_clear_error(tmp_path):
 
 
 def test_unreachable_rpc_endpoint_is_a_clear_error(qwen3_model):
+    # the port stays bound, and not listening, while the client connects: a freed port is one the
+    # kernel may pick as the client's own source port, and a socket connected to itself reads back
+    # what it sent, which ggml-rpc aborts on (seen once in a full run)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(PyllamapoolError, match="unreachable"):
-        Model(qwen3_model, n_gpu_layers=99, rpc=[f"127.0.0.1:{port}"])
+        with pytest.raises(PyllamapoolError, match="unreachable"):
+            Model(qwen3_model, n_gpu_layers=99, rpc=[f"127.0.0.1:{port}"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ def test_pooled_experts_equal_the_host_copy_path_under_heavy_eviction(make_model
 
 
 def test_pinned_host_experts_pool_on_vulkan(qwen3_model):
-    """-lm none keeps the host experts in Vulkan's pinned host memory: stream uploads copy straight from
-    there (no staging), bit-identical to the host-copy path."""
+    """-lm none keeps the host experts in Vulkan's pinned host memory: there the default is the stream
+    path, which copies straight from them (no staging), bit-identical to the host-copy path."""
     r = on_vulkan("pinned", qwen3_model)
     assert r["enabled"] and r["evictions"] > 0 and r["uploads_path"] == "stream" and r["uploads"] > 0, r
     assert r["pooled_equals_host_copy"], r
@@ -112,13 +112,15 @@ def test_the_scheduler_waits_for_vulkans_queued_copies_of_host_memory():
     assert result.stdout.strip().endswith("ok")
 
 
-def test_uploads_take_the_stream_path_on_vulkan_and_equal_the_host_copy_path(make_model):
-    """ggml-vulkan has events and a pinned host buffer type: by default misses are staged there and
-    copied on a queue of their own. Copy mode is bit-identical to the host-copy path either way.
-    F32 experts, so that hybrid's two sides differ only in summation order."""
+def test_mapped_experts_upload_inline_by_default_and_either_path_equals_the_host_copy_path(make_model):
+    """ggml-vulkan has events and a pinned host buffer type, but these experts are mapped from the
+    file: both paths would read pageable memory, so the default copies on the compute queue, and
+    stream (staged in pinned memory, copied on a queue of its own) is taken when asked for. Copy mode
+    is bit-identical to the host-copy path either way. F32 experts, so that hybrid's two sides differ
+    only in summation order."""
     r = on_vulkan("uploads", make_model(expert_type="F32"))
-    assert r["copy-default"]["path"] == r["copy-stream"]["path"] == "stream", r
-    assert r["copy-inline"]["path"] == "inline", r
+    assert r["copy-default"]["path"] == r["copy-inline"]["path"] == r["hybrid-default"]["path"] == "inline", r
+    assert r["copy-stream"]["path"] == r["hybrid-stream"]["path"] == "stream", r
     for key in ("copy-default", "copy-inline", "copy-stream"):
         assert r[key]["enabled"] and r[key]["evictions"] > 0 and r[key]["uploads"] > 0, (key, r[key])
         assert r[key]["equals_host_copy"], (key, r[key])

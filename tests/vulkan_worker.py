@@ -70,8 +70,8 @@ def check_parity(path: str) -> dict:
 
 
 def check_pinned(path: str) -> dict:
-    """-lm none: host experts in Vulkan_Host (pinned) memory, which the stream path copies from without
-    a gather into staging; with the copy from the pinned host tensors at the same place in the upload
+    """-lm none: host experts in Vulkan_Host (pinned) memory, which the stream path, the default for them,
+    copies from without a gather into staging; with the copy from the pinned host tensors at the same place in the upload
     queue's order, copy mode stays the host-copy path's bits."""
     model = Model(path, n_gpu_layers=99, n_cpu_moe=99, use_mmap=False)
     stock, *_ = greedy(model, STREAM)
@@ -184,8 +184,8 @@ def check_uploads(path: str) -> dict:
 
 
 def check_prefetch(path: str) -> dict:
-    """Hybrid's prefetch on a real GPU backend: Vulkan has events and pinned memory, so uploads take the
-    stream path and auto prefetches by itself; on uploads every predicted expert a slot can take. The
+    """Hybrid's prefetch on a real GPU backend: Vulkan has events, so uploads asked for on the stream
+    path take it, and auto prefetches by itself; on uploads every predicted expert a slot can take. The
     prefetched experts' copies run on a queue of their own while lavapipe computes: a step that read a
     slot before its copy landed, or through a table still pointing at a victim, computes with another
     expert's weights, far outside the two backends' rounding."""
@@ -193,7 +193,7 @@ def check_prefetch(path: str) -> dict:
     stock, *_ = greedy(model, STREAM)
     out = {"logit_std": float(np.mean([np.std(a) for a in stock]))}
     for prefetch in ("auto", "on"):
-        ctx = Context(model, pool=PoolConfig(slots=6, mode="hybrid", prefetch=prefetch))
+        ctx = Context(model, pool=PoolConfig(slots=6, mode="hybrid", prefetch=prefetch, uploads="stream"))
         logits = run_context(ctx, STREAM[:8], 0, teacher_tokens=STREAM[8:], keep_logits=True).logits
         c, status = ctx.pool_counters(), ctx.pool_status(0)
         ctx.close()

@@ -35,8 +35,8 @@ GATES = {"off": 1, "yield": 2, "auto": 3}
 AUTO = "auto"
 #: how a missed expert is served, by its C API code (enum llama_moe_pool_mode)
 MODES = {"copy": 1, "hybrid": 2}
-#: how misses' bytes reach the slots, by C API code (enum llama_moe_pool_uploads): "stream" (pinned
-#: staging and an upload queue of its own, where the device has events) or "inline" (the compute queue)
+#: how misses' bytes reach the slots, by C API code (enum llama_moe_pool_uploads): "stream" (an upload
+#: queue of its own, by default where the device has events and pinned experts) or "inline" (the compute queue)
 UPLOAD_PATHS = {"inline": 1, "stream": 2}
 #: hybrid mode, where a step's misses are computed, by C API code (enum llama_moe_pool_placement_type):
 #: "cost" (a share is uploaded for the device to compute in the step, by measured cost), "cpu" (the CPU
@@ -177,9 +177,11 @@ class PoolConfig:
         take the stock path and never evict. Copy mode also needs tokens x top-k to fit the slots.
     reserve_mib: device memory (MiB) to leave for buffers made after this context, e.g. a speculative
         draft model's weights (llama-server sets it from the draft's file).
-    uploads: "stream" (the default where the device has events: misses gathered into pinned staging
-        and copied on an upload queue of their own, a slot read only after its copy ran) or "inline"
-        (copies on the compute queue from wherever the bytes are; LLAMA_MOE_POOL_UPLOADS).
+    uploads: "stream" (misses copied on an upload queue of their own, from pinned staging where they
+        are not pinned already, a slot read only after its copy ran; the default where the device has
+        events and its experts sit in its pinned host memory, `use_mmap=False`) or "inline" (copies on
+        the compute queue from wherever the bytes are; the default for mmap'd experts, which an H200 ran
+        faster this way; LLAMA_MOE_POOL_UPLOADS).
     staging_mib: the stream path's pinned staging per device (default 64, LLAMA_MOE_POOL_STAGING_MIB).
     placement: hybrid mode, where a step's misses are computed: "cost" (the default: as many are
         uploaded for the device to compute in the step as make its side no longer than the CPU's, from
@@ -372,7 +374,7 @@ class PoolStatus:
     policy: str = DEFAULT_POLICY
     gate: str = "off"
     mode: str = "hybrid"
-    uploads: str = "stream"
+    uploads: str = "inline"
     prefetch: str = "auto"
 
 
@@ -503,7 +505,7 @@ def _status_from_c(ffi, s) -> PoolStatus:
         policy=ffi.string(s.policy).decode() if s.policy else DEFAULT_POLICY,
         gate=ffi.string(s.gate).decode() if s.gate else "off",
         mode=ffi.string(s.mode).decode() if s.mode else "hybrid",
-        uploads=ffi.string(s.uploads).decode() if s.uploads else "stream",
+        uploads=ffi.string(s.uploads).decode() if s.uploads else "inline",
         prefetch=ffi.string(s.prefetch).decode() if s.prefetch else "off")
 
 

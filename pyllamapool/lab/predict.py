@@ -350,7 +350,8 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             cpu_shares: tuple[float, ...] = UPSTREAM_CPU_SHARES) -> list[ModePrediction]:
     """Per-token time of each mode at `slots` per layer. With `hit_rate`, copy and merged-lru use it
     instead of the replay (to separate the cost model's error from the routing's). `pinned`: the
-    experts upload from pinned memory (the pool's default) rather than from mmap'd pages.
+    experts upload at the pinned link's speed (from experts pinned with `-lm none`) rather than at the
+    speed of the mmap'd pages they are read from (the default load, where the pool uploads inline).
     `prefetch_overlap`: how much of a step's selection hybrid's prediction names (0: no prefetch);
     `cpu_shares`: the `--moe-cache-cpu-share` values cpu-share is tried at (the best one counts)."""
     if slots < 0:
