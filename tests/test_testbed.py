@@ -306,6 +306,21 @@ def test_unreachable_rpc_endpoint_is_a_clear_error(qwen3_model):
             Model(qwen3_model, n_gpu_layers=99, rpc=[f"127.0.0.1:{port}"])
 
 
+def test_a_connection_to_itself_is_no_rpc_server():
+    from pyllamapool.binding.llama import _connected_to_itself
+
+    # a socket bound to the port it connects to, with no listener there, connects to itself
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.connect(s.getsockname())
+        assert _connected_to_itself(s)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        with socket.create_connection(server.getsockname()) as client:
+            assert not _connected_to_itself(client)
+
+
 # --------------------------------------------------------------------------------------------
 # the binding: errors, logs, placement, parity
 

@@ -95,10 +95,17 @@ def _device_info(index: int, dev) -> Device:
 def _connects(endpoint: str, timeout: float = 1.0) -> bool:
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            return not _connected_to_itself(sock)
     except (OSError, ValueError):
         return False
+
+
+def _connected_to_itself(sock: socket.socket) -> bool:
+    """A TCP connection to a local port nobody listens on can be given that same port as its own
+    source port, and then connects to itself: nothing is there, and ggml-rpc, reading back what it
+    sent, aborts the process."""
+    return sock.getsockname() == sock.getpeername()
 
 
 def _endpoint_alive(endpoint: str) -> bool:
