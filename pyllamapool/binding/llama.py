@@ -182,6 +182,20 @@ def lazy_copy_device():
     return lib.ggml_backend_reg_dev_get(_lazy_reg[0], 0)
 
 
+def lazy_copy_registered() -> tuple[int, int]:
+    """Host ranges registered with the lazy-copy test device (as CUDA pins mapped pages), and how many
+    of them are no longer mapped: a caller must unregister a range before its pages go."""
+    ffi, lib = backend()
+    lazy_copy_device()
+    counts = []
+    for name in (b"ggml_backend_lazy_copy_n_registered", b"ggml_backend_lazy_copy_n_registered_unmapped"):
+        fn = lib.ggml_backend_reg_get_proc_address(_lazy_reg[0], name)
+        if fn == ffi.NULL:
+            raise PyllamapoolError(f"the lazy-copy test device has no {name.decode()}")
+        counts.append(int(ffi.cast("size_t (*)(void)", fn)()))
+    return counts[0], counts[1]
+
+
 def local_gpus() -> list:
     """This build's own GPUs (CUDA, HIP, Vulkan; never RPC devices), as llama.cpp picks them when a
     model names no devices: the discrete ones, or the integrated ones when there is none."""

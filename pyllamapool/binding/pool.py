@@ -46,6 +46,16 @@ PLACEMENTS = {"cost": 1, "cpu": 2, "device": 3}
 #: C API code (enum llama_moe_pool_prefetch_type): "auto" (where uploads run beside compute, as many as
 #: the link carries before that step), "off", or "on" (every predicted expert a slot can take)
 PREFETCHES = {"auto": 1, "off": 2, "on": 3}
+#: whether experts in pageable pages (the default, mmap'd load) are pinned in place for the device's
+#: copies where its backend offers that (CUDA, HIP), by C API code (enum llama_moe_pool_pin_type)
+PINS = {"on": 1, "off": 2}
+#: where a decode step's pooled layers are served, by C API code (enum llama_moe_pool_serve_type): "auto"
+#: (on the device where it can: it finds and fetches its misses in the graph, no host wait; elsewhere the
+#: host; in hybrid mode the device's path and hybrid's take turns, timed, and the faster one serves),
+#: "device" (the device wherever it can, untimed: a device that cannot says why) or "host"
+SERVES = {"auto": 1, "device": 2, "host": 3}
+#: where a device's misses are read from (PoolStatus.experts), fastest first
+EXPERT_SOURCES = ("pinned", "registered", "mapped", "file")
 #: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
 ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL_CAP_MIB",
                "device_mib": "LLAMA_MOE_POOL_DEVICE_MIB", "profile": "LLAMA_MOE_POOL_PROFILE",
@@ -53,7 +63,8 @@ ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL
                "upload_frac": "LLAMA_MOE_POOL_UPLOAD_FRAC", "max_batch": "LLAMA_MOE_POOL_MAX_BATCH",
                "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB",
                "placement": "LLAMA_MOE_POOL_PLACEMENT", "hotset": "LLAMA_MOE_POOL_HOTSET",
-               "prefetch": "LLAMA_MOE_POOL_PREFETCH"}
+               "prefetch": "LLAMA_MOE_POOL_PREFETCH", "pin": "LLAMA_MOE_POOL_PIN",
+               "gather_threads": "LLAMA_MOE_POOL_GATHER_THREADS", "serve": "LLAMA_MOE_POOL_SERVE"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -132,6 +143,16 @@ def prefetch_code(prefetch: str | int) -> int:
     return _code("prefetch", prefetch, PREFETCHES)
 
 
+def pin_code(pin: str | int) -> int:
+    """The C API code of a pinning rule given by name or code."""
+    return _code("pin", pin, PINS)
+
+
+def serve_code(serve: str | int) -> int:
+    """The C API code of where pooled layers are served, given by name or code."""
+    return _code("serve", serve, SERVES)
+
+
 def _check_whole(name: str, value, minimum: int, expected: str) -> None:
     """None (take the default) or a whole number >= minimum; bools are not numbers here."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
@@ -143,7 +164,7 @@ def _parse_env(name: str, text: str):
     if name == "device_mib":
         sizes = tuple(int(part) for part in text.split(","))
         return sizes[0] if len(sizes) == 1 else sizes
-    if name in ("rail_mib", "cap_mib", "max_batch", "staging_mib"):
+    if name in ("rail_mib", "cap_mib", "max_batch", "staging_mib", "gather_threads"):
         if not text.strip().isdigit():
             raise ValueError("expected a whole number")
         return int(text)
@@ -196,6 +217,20 @@ class PoolConfig:
         run beside compute, as many as the link carries in time, each into an empty slot or one whose
         expert was used no more often lately), "off", or "on" (every predicted expert a slot can take,
         on either upload path; LLAMA_MOE_POOL_PREFETCH).
+    pin: "on" (the default: experts in pageable pages, as the default mmap'd load leaves them, are pinned
+        in place when the pool is made where the device's backend offers that, CUDA and HIP, so that
+        copies run at the link's speed; a refusal falls back with a warning) or "off" (LLAMA_MOE_POOL_PIN).
+    gather_threads: stream uploads of experts in pageable pages: host threads that gather them into
+        pinned staging (default: the fewest measured within 10% of the fastest, at most 8;
+        LLAMA_MOE_POOL_GATHER_THREADS).
+    serve: where a decode step's pooled layers are served: "auto" (the default: on the device where its
+        backend runs the device's path, CUDA and HIP, and its experts are pinned or pinned in place: the
+        device finds each step's misses and copies them from the host in the step's own graph, by LRU, so
+        the step never waits for the host; elsewhere the host. In hybrid mode decode steps are timed on
+        the device's path and on hybrid's, in turns as -mec auto times the pool, and the faster serves:
+        on a slow link the CPU computing a share of the misses wins), "device" (the device's path
+        wherever it can run, untimed, and a device that cannot says why) or "host" (the host reads each
+        step's ids: copy or hybrid mode; LLAMA_MOE_POOL_SERVE).
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -213,6 +248,9 @@ class PoolConfig:
     placement: str | None = None
     hotset: str | Path | None = None
     prefetch: str | None = None
+    pin: str | None = None
+    gather_threads: int | None = None
+    serve: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -265,6 +303,14 @@ class PoolConfig:
         if self.prefetch is not None:
             prefetch_code(self.prefetch)
         _check_whole("staging_mib", self.staging_mib, 1, "it must be a whole number of MiB >= 1")
+        if self.pin is not None:
+            pin_code(self.pin)
+        if self.serve is not None:
+            serve_code(self.serve)
+        _check_whole("gather_threads", self.gather_threads, 1, "expected a thread count from 1 to 256")
+        if self.gather_threads is not None and self.gather_threads > 256:
+            raise PoolConfigError(f"gather_threads={self.gather_threads!r} is invalid: expected a thread count "
+                                  "from 1 to 256")
         if self.profile is not None and not Path(self.profile).is_file():
             raise PoolConfigError(f"profile {str(self.profile)!r} does not exist")
         if self.hotset is not None:
@@ -347,6 +393,12 @@ class PoolConfig:
             params.placement = placement_code(config.placement)
         if config.prefetch is not None:
             params.prefetch = prefetch_code(config.prefetch)
+        if config.pin is not None:
+            params.pin = pin_code(config.pin)
+        if config.gather_threads is not None:
+            params.gather_threads = config.gather_threads
+        if config.serve is not None:
+            params.serve = serve_code(config.serve)
         params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
@@ -376,6 +428,17 @@ class PoolStatus:
     mode: str = "hybrid"
     uploads: str = "inline"
     prefetch: str = "auto"
+    #: where misses are read from (EXPERT_SOURCES), and why mapped pages were not pinned in place
+    #: ("off", "no-hook": the device offers no way to, "refused"; "" where they were)
+    experts: str = "mapped"
+    experts_reason: str = ""
+    #: stream uploads from pageable pages: host threads gathering them into staging (0: none gathered)
+    gather_threads: int = 0
+    #: where decode steps' pooled layers are served ("device", "host", "mixed", or "auto": timed turns of
+    #: the device's path and hybrid's), and why not on the
+    #: device where that was asked ("no-op", "not-pinned", "repacked", "tensors", "gate", "off")
+    serve: str = "host"
+    serve_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -387,7 +450,7 @@ class PoolCounters:
     copy_bytes: int = 0
     steps: int = 0
     bypassed_steps: int = 0
-    gated_steps: int = 0     # steps (per pool, as lookups) the closed gate sent to the stock path
+    gated_steps: int = 0     # steps (per layer, as lookups) the closed gate sent to the stock path
     gate_closures: int = 0
     device_experts: int = 0  # expert computations on the device (copy mode: every lookup)
     cpu_experts: int = 0     # hybrid mode: expert computations on the CPU (the misses not placed)
@@ -506,7 +569,12 @@ def _status_from_c(ffi, s) -> PoolStatus:
         gate=ffi.string(s.gate).decode() if s.gate else "off",
         mode=ffi.string(s.mode).decode() if s.mode else "hybrid",
         uploads=ffi.string(s.uploads).decode() if s.uploads else "inline",
-        prefetch=ffi.string(s.prefetch).decode() if s.prefetch else "off")
+        prefetch=ffi.string(s.prefetch).decode() if s.prefetch else "off",
+        experts=ffi.string(s.experts).decode() if s.experts else "mapped",
+        experts_reason=ffi.string(s.experts_reason).decode() if s.experts_reason else "",
+        gather_threads=s.gather_threads,
+        serve=ffi.string(s.serve).decode() if s.serve else "host",
+        serve_reason=ffi.string(s.serve_reason).decode() if s.serve_reason else "")
 
 
 def _counters_from_c(c) -> PoolCounters:
