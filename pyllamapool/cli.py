@@ -595,7 +595,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="a recorded routing trace (pyllamapool trace) instead of a preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--upload-frac", type=float, default=0.25, help="hybrid's upload budget, share of a token")
-    p.add_argument("--pageable", action="store_true", help="experts upload from mmap'd pages, not pinned memory")
+    p.add_argument("--pageable", action="store_true",
+                   help="the experts stay in pageable pages (LLAMA_MOE_POOL_PIN=off, or a device that refused or "
+                        "cannot pin them: Vulkan, RPC); by default a mapped load is pinned in place, as -lm none "
+                        "pins it, and uploads run at the pinned link's speed")
     p.add_argument("--prefetch-overlap", type=_fraction, default=0.61,
                    help="hybrid's prefetch: the share of a step's experts the previous layer's prediction names "
                         "(default 0.61, published for GLM-5.3-Flash; 0 = no prefetch; a --trace recorded with "

@@ -19,6 +19,11 @@ The model counts, per decoded token, the work each mode puts on the critical pat
 - `-mec auto`: hybrid mode and the stock path, each step run by the side `-mec auto`'s arbiter picks
   from timed steps (`lab.arbiter` plays its rules over a reply of `arbiter.GENERATION` tokens): the
   faster side's time plus what probing the other one costs.
+- `device`: the device-side path (`serve=device`): the device finds each step's misses itself (LRU
+  on the device) and a kernel copies them over the link from the host experts, pinned or pinned in
+  place, in the step's own graph. No host round trip in a layer, one per token; the misses' bytes at
+  the pinned link's speed, the device's expert matmuls, and two kernel launches per layer inside the
+  token's CUDA graph. Where the experts stay in pageable pages the host serves (copy mode's row).
 
 Hits and misses come from replaying the routing (a recorded trace or a calibrated preset) through
 each mode's policy (`lab.policies`). Per-expert costs come from the profile: bytes over the link's
@@ -38,7 +43,12 @@ from ..errors import PyllamapoolError
 from . import arbiter, placement, policies, prefetch, synth
 from ..run.trace import Trace
 
-MODES = ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto")
+MODES = ("stock", "copy", "hybrid", "device", "merged-lru", "lrfu", "cpu-share", "auto")
+#: the device-side path: the device finds and fetches each step's misses (`serve=device`)
+DEVICE_MODE = "device"
+#: the device-side path's fixed cost per pooled layer and token: its two kernels' launches inside a
+#: captured CUDA graph (a launch outside one measured 4.7 us on the H200; inside one it is a fraction)
+FETCH_LAUNCH_US = 2.0
 #: the product's default mode (`-mec N` alone)
 DEFAULT_MODE = "hybrid"
 #: the modes of llama.cpp's own cache, as merged (merged-lru) and as it stands since (lrfu, cpu-share)
@@ -114,7 +124,7 @@ class HardwareProfile:
 GPU_CHECK_SYNC_US = 20.0
 
 #: the GPU check's report schemas a profile can be read from
-GPU_CHECK_SCHEMAS = ("pyllamapool.gpu-check/1", "pyllamapool.gpu-check/2")
+GPU_CHECK_SCHEMAS = ("pyllamapool.gpu-check/1", "pyllamapool.gpu-check/2", "pyllamapool.gpu-check/3")
 
 
 def _expert_bytes_of_spec(spec: dict) -> int:
@@ -164,6 +174,17 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
                  "host_expert_gb_s": "dual-channel DDR5 laptop, estimate",
                  "device_gb_s": "RTX 3090 936 GB/s datasheet, ~70%", "sync_us": "estimate"}),
     HardwareProfile(
+        "h200-pcie5", "NVIDIA H200 on PCIe 5.0 x16, 16-core Xeon host (the GPU check's lease, 2026-12)",
+        pcie_gb_s=55.0, pageable_gb_s=6.3, copy_latency_us=23.4, host_expert_gb_s=18.0, device_gb_s=0.7 * 4800.0,
+        sync_us=12.7,
+        sources={"pcie_gb_s": "GPU check: cudaMemcpyAsync from pinned memory, 55.0 GB/s (a kernel reading pinned "
+                              "memory: 50.9 GB/s)",
+                 "pageable_gb_s": "reaching-the-card.md: cudaMemcpyAsync from mapped file pages, 6.3 GB/s",
+                 "copy_latency_us": "GPU check: one 64 KiB copy",
+                 "host_expert_gb_s": "GPU check: stock minus the all-resident run, per CPU expert",
+                 "device_gb_s": "H200 4.8 TB/s datasheet, ~70% (every expert resident: 0.67 ms a token)",
+                 "sync_us": "reaching-the-card.md: tiny kernel + 64-byte copy back + stream sync"}),
+    HardwareProfile(
         "pcie3-ddr4-8ch", "a GPU on PCIe 3.0 x16 with an 8-channel DDR4 server host",
         pcie_gb_s=12.0, pageable_gb_s=6.5, copy_latency_us=10.0, host_expert_gb_s=120.0, device_gb_s=650.0, sync_us=20.0,
         sources={"pageable_gb_s": "cudaMemcpy from pageable memory on PCIe 3.0: ~6.5 GB/s, typical",
@@ -202,13 +223,14 @@ class ExpertCosts:
     up: float    # one expert is uploaded (bandwidth + a latency per copied tensor)
     sync: float  # the host waits for the device once
     host: float = 0.0  # hybrid: the host gathers one expert into pinned staging (mmap'd experts)
+    fetch: float = 0.0  # the device-side path: a kernel reads one expert from pinned memory (no copy latency)
 
 
 def expert_costs(g: Geometry, p: HardwareProfile, pinned: bool = True) -> ExpertCosts:
     link = p.pcie_gb_s if pinned else p.pageable_gb_s
     return ExpertCosts(cpu=g.expert_bytes / p.host_expert_gb_s * 1e-6, dev=g.expert_bytes / p.device_gb_s * 1e-6,
                        up=g.expert_bytes / link * 1e-6 + g.n_expert_tensors * p.copy_latency_us / 1000,
-                       sync=p.sync_us / 1000)
+                       sync=p.sync_us / 1000, fetch=g.expert_bytes / p.pcie_gb_s * 1e-6)
 
 
 def _parts_at_hit_rate(g: Geometry, c: ExpertCosts, mode: str, hit: float, k: float) -> dict[str, float]:
@@ -222,6 +244,9 @@ def _parts_at_hit_rate(g: Geometry, c: ExpertCosts, mode: str, hit: float, k: fl
     if mode == "hybrid":  # the slower side of each layer; uploads are off the critical path
         return {"device": g.dense_ms, "experts_overlapped": L * max(k * hit * c.dev, k * (1 - hit) * c.cpu),
                 "syncs": L * c.sync}
+    if mode == DEVICE_MODE:  # misses over the link by a kernel, no per-layer round trip; one per token
+        return {"device": g.dense_ms, "device_experts": L * k * c.dev, "fetches": L * k * (1 - hit) * c.fetch,
+                "launches": L * FETCH_LAUNCH_US / 1000, "syncs": c.sync}
     raise PyllamapoolError(f"no closed form for mode {mode!r}")
 
 
@@ -350,8 +375,9 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             cpu_shares: tuple[float, ...] = UPSTREAM_CPU_SHARES) -> list[ModePrediction]:
     """Per-token time of each mode at `slots` per layer. With `hit_rate`, copy and merged-lru use it
     instead of the replay (to separate the cost model's error from the routing's). `pinned`: the
-    experts upload at the pinned link's speed (from experts pinned with `-lm none`) rather than at the
-    speed of the mmap'd pages they are read from (the default load, where the pool uploads inline).
+    experts upload at the pinned link's speed: pinned with `-lm none`, or (the default load's) mapped
+    pages pinned in place where the device offers that (CUDA, HIP); False: at the speed of pageable
+    pages (`LLAMA_MOE_POOL_PIN=off`, a refused registration, a device without the hook).
     `prefetch_overlap`: how much of a step's selection hybrid's prediction names (0: no prefetch);
     `cpu_shares`: the `--moe-cache-cpu-share` values cpu-share is tried at (the best one counts)."""
     if slots < 0:
@@ -386,10 +412,16 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
     for mode in modes:
         if mode == "stock" or n_slots == 0 or L == 0:
             row(mode, 0.0, stock_parts, L * k, 0.0)  # no pool: the stock path
-        elif mode == "copy":
+        elif mode == "copy" or (mode == DEVICE_MODE and not pinned):
+            # the device cannot read pageable pages in place: the host serves, as copy mode does
             hit = hit_rate if hit_rate is not None else _rate(routing.replayed(("adaptive", n_slots), lambda: [
                 policies.adaptive(steps, n_slots, routing.n_expert) for steps in routing.layers]))[0]
-            row("copy", hit, _parts_at_hit_rate(g, c, "copy", hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
+            row(mode, hit, _parts_at_hit_rate(g, c, "copy", hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes,
+                "" if mode == "copy" else "host (pageable experts)")
+        elif mode == DEVICE_MODE:
+            hit = hit_rate if hit_rate is not None else _rate(routing.replayed(("lru", n_slots), lambda: [
+                policies.lru(steps, n_slots) for steps in routing.layers]))[0]
+            row(mode, hit, _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
         elif mode == "merged-lru":
             if hit_rate is not None:
                 hit = hit_rate

@@ -11,7 +11,8 @@ from ..run.trace import Trace
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """Counters summed over pools (tensors), as the live pool's runtime line reports them."""
+    """Counters summed over layers (each counted once, bytes over its pools), as the live pool's
+    runtime line reports them."""
     counters: PoolCounters
     per_layer: dict[int, PoolCounters]
     miss: np.ndarray          # [tokens, layers, top_k] True where the lookup missed
@@ -41,16 +42,16 @@ def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | in
             if missed is not None:
                 miss[t, li] = missed
         c = replayer.counters()
-        pools, slot_bytes = layer_slot_bytes(trace, layer)
+        _, slot_bytes = layer_slot_bytes(trace, layer)
         c = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, c.misses * slot_bytes, c.steps, 0,
                          c.gated_steps, c.gate_closures)
         per_layer[layer] = c
-        totals["lookups"] += c.lookups * pools
-        totals["hits"] += c.hits * pools
-        totals["misses"] += c.misses * pools
-        totals["evictions"] += c.evictions * pools
+        totals["lookups"] += c.lookups
+        totals["hits"] += c.hits
+        totals["misses"] += c.misses
+        totals["evictions"] += c.evictions
         totals["copy_bytes"] += c.copy_bytes
-        totals["gated_steps"] += c.gated_steps * pools
-        totals["gate_closures"] += c.gate_closures * pools
+        totals["gated_steps"] += c.gated_steps
+        totals["gate_closures"] += c.gate_closures
     steps = trace.n_tokens
     return ReplayResult(PoolCounters(**totals, steps=steps, bypassed_steps=0), per_layer, miss)
