@@ -29,6 +29,18 @@ class RunResult:
     #: per step, the logits after the step (kept only when asked: they are large)
     logits: list[np.ndarray] | None = field(default=None, repr=False)
     extra: dict = field(default_factory=dict)
+    #: per step, the times the host waited for a device inside its llama_decode (the scheduler's count:
+    #: a CPU split reading the device's result, a pool's own waits), pool or not
+    step_host_waits: list[int] = field(default_factory=list)
+
+    def tokens_per_s(self, first: int = 0, last: int | None = None) -> float:
+        """Token-to-token rate over steps [first, last): the first steps of a run fill a cache (cold),
+        the last ones show its steady state (warm)."""
+        ms = sum(self.step_latency_ms[first:last])
+        return _rate(len(self.step_latency_ms[first:last]), ms)
+
+    def host_waits_per_token(self) -> float:
+        return sum(self.step_host_waits) / len(self.step_host_waits) if self.step_host_waits else 0.0
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -50,24 +62,28 @@ def run_context(ctx: Context, prompt: Sequence[int], n_predict: int = 32, *,
     ctx.perf_reset()
     t0 = time.perf_counter()
     ctx.decode(list(prompt))
+    next_tok = sampler.sample(ctx)  # waits for the device's part of the prompt too
     prefill_ms = (time.perf_counter() - t0) * 1000.0
     logits_out: list[np.ndarray] = []
     if keep_logits:
         logits_out.append(ctx.logits())
     predicted: list[int] = []
     latency: list[float] = []
+    waits: list[int] = []
     steps = list(teacher_tokens) if teacher_tokens is not None else None
     n_steps = len(steps) if steps is not None else n_predict
-    next_tok = sampler.sample(ctx)
     for i in range(n_steps):
         predicted.append(next_tok)
         feed = steps[i] if steps is not None else next_tok
         t = time.perf_counter()
         ctx.decode([feed])
+        waits.append(ctx.host_syncs())
+        # token to token, as a user sees it: llama_decode only queues the step on a GPU, and the
+        # sampler's read of the logits waits for it
+        next_tok = sampler.sample(ctx)
         latency.append((time.perf_counter() - t) * 1000.0)
         if keep_logits:
             logits_out.append(ctx.logits())
-        next_tok = sampler.sample(ctx)
         if on_step is not None:
             on_step(i)
     decode_ms = sum(latency)
@@ -76,7 +92,7 @@ def run_context(ctx: Context, prompt: Sequence[int], n_predict: int = 32, *,
         prompt_tokens=list(prompt), tokens=predicted, text=ctx.model.detokenize(predicted),
         step_latency_ms=latency, prefill_tokens_per_s=_rate(len(prompt), prefill_ms),
         decode_tokens_per_s=_rate(len(latency), decode_ms),
-        logits=logits_out if keep_logits else None)
+        logits=logits_out if keep_logits else None, step_host_waits=waits)
 
 
 def run(model: str | Path | Model, tokens: Sequence[int] | str, n_predict: int = 32, *,

@@ -124,6 +124,22 @@ def measure_link(device_name: str, mib: int = 256, repeats: int = 5) -> dict:
         for _ in range(repeats):
             lib.ggml_backend_tensor_set(tensor, src, 0, size)
         out[f"{name}_gb_s"] = repeats * size / (time.perf_counter() - t) / 1e9
+    # the pageable buffer pinned in place, as the pool pins mapped experts (CUDA, HIP): how long that
+    # takes, and how fast copies from it then run
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    register = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_register_host_buffer")
+    unregister = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_unregister_host_buffer")
+    if register != ffi.NULL and unregister != ffi.NULL:
+        register = ffi.cast("bool (*)(void *, size_t)", register)
+        unregister = ffi.cast("void (*)(void *)", unregister)
+        t = time.perf_counter()
+        if register(sources["pageable"], size):
+            out["register_gb_s"] = size / (time.perf_counter() - t) / 1e9
+            t = time.perf_counter()
+            for _ in range(repeats):
+                lib.ggml_backend_tensor_set(tensor, sources["pageable"], 0, size)
+            out["registered_gb_s"] = repeats * size / (time.perf_counter() - t) / 1e9
+            unregister(sources["pageable"])
     small, n = 64 << 10, 200
     t = time.perf_counter()
     for i in range(n):

@@ -85,6 +85,30 @@ class PoolSession:
         return PoolRun(pool, decoded, report.status, report.devices, report.counters, memory,
                        ctx.pool_lines(), report.pools, report.pool_counters, ctx.moe_cache_stats())
 
+    def run_requests(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                     pool: PoolConfig | None = None, moe_cache_mib: int = 0) -> PoolRun:
+        """Several requests in one context, as a server serves one user's turns: for each (prompt,
+        teacher tokens), the KV cache is cleared and the prompt prefilled, then one step per teacher
+        token. The pool (or llama.cpp's cache) keeps what it holds from one request to the next. The
+        result's steps are every request's, in order."""
+        if not requests:
+            raise PyllamapoolError("run_requests needs at least one request")
+        pool = pool or PoolConfig()
+        with self.context(pool, moe_cache_mib=moe_cache_mib) as ctx:
+            parts = []
+            for prompt, teacher in requests:
+                ctx.clear()
+                parts.append(run_context(ctx, prompt, 0, teacher_tokens=teacher))
+            report = ctx.pool_report()
+            memory = ctx.memory()
+        decoded = RunResult("teacher-forced", [t for p in parts for t in p.prompt_tokens],
+                            [t for p in parts for t in p.tokens], "", [x for p in parts for x in p.step_latency_ms],
+                            sum(p.prefill_tokens_per_s for p in parts) / len(parts), 0.0,
+                            step_host_waits=[w for p in parts for w in p.step_host_waits])
+        decoded.decode_tokens_per_s = decoded.tokens_per_s()
+        return PoolRun(pool, decoded, report.status, report.devices, report.counters, memory,
+                       ctx.pool_lines(), moe_cache=ctx.moe_cache_stats())
+
     def plan(self, pool: PoolConfig) -> PoolRun:
         """Admission only: a context is made (in a no-allocation session, nothing is allocated)."""
         with self.context(pool) as ctx:
