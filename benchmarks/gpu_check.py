@@ -1,39 +1,48 @@
 #!/usr/bin/env python3
-"""The GPU check: hybrid, copy, stock --n-cpu-moe and llama.cpp's own expert cache, timed side by side
-in one process on a real card at a real model's shape, within one GPU lease.
+"""The GPU check: the device-side path, hybrid, copy, stock --n-cpu-moe and llama.cpp's own expert
+cache, timed side by side in one process on a real card at a real model's shape, within one GPU lease.
 
     python benchmarks/gpu_check.py plan                                # the dry run: steps and seconds
-    python benchmarks/gpu_check.py build --target cuda --arch 90       # ~270 s on 16 cores (FA off)
-    python benchmarks/gpu_check.py run --out gpu-check.json            # stops at --deadline-s (540)
+    python benchmarks/gpu_check.py build --target cuda --arch 90       # ~230-270 s on 16 cores (FA off)
+    python benchmarks/gpu_check.py run --out gpu-check.json            # stops at --deadline-s
     python benchmarks/gpu_check.py predict gpu-check.json              # predictions beside a finished run's rows
 
 `run` writes a Qwen3-30B-A3B-shaped model (48 MoE layers x 128 experts, top-8, 2048 x 768, 16 GB of
 Q4_K experts, written as random valid blocks at disk speed; `--geometry` also takes the small shapes),
 then runs its steps in order of importance, each only if it fits before the deadline (a step of
 several runs starts when its first fits, and stops at the deadline), and a step that fails is recorded
-and the next one runs:
+and the next one runs. Every row is one fresh context decoding `--tokens` teacher-forced tokens, timed
+token to token (the logits read included): its rate over the whole run, the cold rate over the first
+quarter and the warm rate over the last half (a cache fills in the first tokens, so the warm rate is
+its steady state), host waits per token (the scheduler's count, for every design), and where a pool's
+misses were read from (experts=) and who served its steps (serve=).
 
- 1. upload         host -> device bandwidth, pageable and pinned, and one small copy's latency
- 2. first-card     stock, then hybrid and copy (default uploads) at each -mec on an emulated 16 GB card
+ 1. upload         host -> device: pageable, pinned, and pageable pages pinned in place; one small copy
+ 2. first-card     stock, then the device's path, copy and hybrid (the host serving) at each -mec on an
+                   emulated 16 GB card, on the default load (mapped experts, pinned in place where the
+                   device offers that)
  3. upstream-first llama.cpp's --moe-cache-mib at each copy pool's device bytes (equal memory)
- 4. hybrid-rules   hybrid without prefetch, and with the CPU computing every miss (the rules before
-                   placement and prefetch), at each -mec on the first card
- 5. auto-first     -mec auto on the first card (sized by itself, standing down where stock is faster)
- 6. uploads-first  hybrid and copy on the upload path the first card's default did not take
- 7. other-cards    hybrid, copy, upstream's cache and -mec auto on the other emulated cards (24 GB)
- 8. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
- 9. parity         copy vs the stock host-copy path, bit for bit; hybrid vs stock within the bound
-10. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
-11. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
+ 4. loads-first    the same designs on the other loads: mapped pages left pageable (pin off), and
+                   pinned host memory (-lm none, llama.cpp's cache too)
+ 5. requests-first the default load's designs on a stream of short requests with topic switches
+ 6. auto-first     -mec auto on the first card (sized by itself, standing down where stock is faster)
+ 7. other-cards    the device's path, hybrid, copy, upstream's cache and -mec auto on the other cards
+ 8. hybrid-rules   hybrid without prefetch, and with the CPU computing every miss (the largest -mec)
+ 9. resident       every expert on the device: stock, copy and hybrid at full residency (fixed costs)
+10. parity         copy and the device's path vs the stock host-copy path / the all-resident run, bit
+                   for bit; hybrid vs stock within the bound
+11. parity-types   every expert type on the tiny shape, again with CUDA fusion off where one differs
+12. cxx-runtime    a child that loads a model without the binding's system-libstdc++-first rule
 
 then `pyllamapool predict` with the profile this run measured beside every measured row. It writes the
-JSON (schema pyllamapool.gpu-check/2) after every step, so a run cut short keeps what it measured, and
+JSON (schema pyllamapool.gpu-check/3) after every step, so a run cut short keeps what it measured, and
 a Markdown table beside it.
 
     python benchmarks/gpu_check.py run --testbed --geometry tiny       # CPU only: the loopback RPC device
 
 The testbed mode runs the same steps on the RPC device (CI runs it); its timings are loopback copies on
-shared cores, not a GPU. Emulated cards are LLAMA_MOE_POOL_DEVICE_MIB.
+shared cores, not a GPU, and RPC cannot read host memory in place (the host serves every step there).
+Emulated cards are LLAMA_MOE_POOL_DEVICE_MIB.
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 PREFIX = ROOT / "build" / "gpu-check"
-SCHEMA = "pyllamapool.gpu-check/2"
+SCHEMA = "pyllamapool.gpu-check/3"
 from pyllamapool.terminal import table_console  # noqa: E402
 
 PLAN_PROFILE = ROOT / "benchmarks" / "results" / "gpu-check-h200-small.json"
@@ -150,6 +159,17 @@ class DeadlineReached(Exception):
     pass
 
 
+#: the designs a row can be: the stock path, the pool served by the device (its own path) or by the
+#: host (copy, hybrid), llama.cpp's cache, and -mec auto
+DESIGNS = ("stock", "device", "copy", "hybrid", "upstream", "auto")
+#: where the experts are: mapped from the file and pinned in place where the device offers that (the
+#: default load), mapped and left pageable (pin off), or in pinned host memory (-lm none)
+LOADS = ("default", "mapped", "pinned")
+#: the token streams: one continuous topic stream, and short requests with a topic switch each
+STREAMS = ("topics", "requests")
+REQUEST_TOKENS = 64   # a request: a prompt of PROMPT tokens, then this many teacher-forced tokens
+
+
 class Check:
     """One run of the check: the model, the sessions, the report, the clock."""
 
@@ -168,6 +188,7 @@ class Check:
         self.rpc: tuple[str, ...] = ()
         self._sessions: dict[str, object] = {}
         self.pool_bytes: dict[tuple[int, int], int] = {}
+        self.streams: dict[str, list[tuple[list[int], list[int]]]] = {}
 
     # the clock
     def elapsed(self) -> float:
@@ -183,12 +204,16 @@ class Check:
 
         if kind not in self._sessions:
             offload = {"offloaded": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048),
+                       # -lm none: the experts in the device's pinned host memory (llama.cpp's --no-mmap)
+                       "pinned": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048, use_mmap=False),
                        # upstream's cache caches only experts in plain host buffers: where the CPU
                        # repacks the type it runs on a --no-repack load, as its users must
                        "unrepacked": Offload(rpc=self.rpc, cpu_moe=True, n_ctx=2048, repack=False),
                        "resident": Offload(rpc=self.rpc, n_ctx=2048)}[kind]
-            for other in [k for k in self._sessions if (k == "resident") != (kind == "resident")]:
-                self._sessions.pop(other).close()  # never two copies of the experts on the device
+            # never two copies of the experts on the device, nor two in host memory beside the mapping
+            for other in [k for k in self._sessions if k != kind and (k in ("resident", "pinned") or
+                                                                      kind in ("resident", "pinned"))]:
+                self._sessions.pop(other).close()
             self._sessions[kind] = PoolSession(self.model_path, offload)
         return self._sessions[kind]
 
@@ -199,26 +224,44 @@ class Check:
         self.stack.close()
 
     # one decode run -> one row
-    def decode(self, step: str, label: str, kind: str, mec: int = 0, card: int | None = None,
-               pool=None, moe_cache_mib: int = 0) -> dict | None:
-        est = self.est.run_s(label, mec) + (self.est.load_s(kind == "resident") if kind not in self._sessions else 0)
+    def decode(self, step: str, design: str, kind: str = "offloaded", mec: int = 0, card: int | None = None,
+               pool=None, moe_cache_mib: int = 0, load: str = "default", stream: str = "topics",
+               label: str | None = None) -> dict | None:
+        from pyllamapool.binding import logs
+
+        label = label or design
+        est = self.est.run_s(design if design != "upstream" else "upstream", mec) + \
+            (self.est.load_s(kind == "resident") if kind not in self._sessions else 0)
         if not self.fits(est):
-            self.rows.append({"step": step, "mode": label, "card_mib": card, "slots": mec, "skipped": "deadline",
-                              "est_s": round(est, 1)})
+            self.rows.append({"step": step, "mode": label, "design": design, "load": load, "stream": stream,
+                              "card_mib": card, "slots": mec, "mec": mec, "skipped": "deadline", "est_s": round(est, 1)})
             raise DeadlineReached
         t = time.perf_counter()
-        run = self.session(kind).run(self.stream[:PROMPT], 0, pool=pool, teacher_tokens=self.stream[PROMPT:],
-                                     moe_cache_mib=moe_cache_mib)
-        row = (upstream_row(run, self.n, card, moe_cache_mib, mec) if moe_cache_mib
-               else decode_row(label, run, self.n, card))
+        session = self.session(kind)
+        with logs.capture() as lines:
+            if stream == "requests":
+                run = session.run_requests(self.streams["requests"], pool=pool, moe_cache_mib=moe_cache_mib)
+            else:
+                (prompt, teacher), = self.streams["topics"]
+                run = session.run(prompt, 0, pool=pool, teacher_tokens=teacher, moe_cache_mib=moe_cache_mib)
+        n = len(run.decode.step_latency_ms)
+        row = (upstream_row(run, n, card, moe_cache_mib, mec) if moe_cache_mib
+               else decode_row(label, run, n, card))
         if moe_cache_mib and run.moe_cache is None and kind == "offloaded":
             return None  # upstream's cache refused the repacked experts: the caller retries unrepacked
-        row.update(step=step, est_s=round(est, 1), wall_s=round(time.perf_counter() - t, 1), mec=mec)
+        # CUDA graphs: ggml-cuda says at debug level when it captures one and each time it reuses it
+        graph_lines = [text for _, text in lines if "CUDA Graph" in text or "CUDA graph" in text]
+        row.update(step=step, design=design, load=load, stream=stream, est_s=round(est, 1),
+                   wall_s=round(time.perf_counter() - t, 1), mec=mec,
+                   cold_tps=run.decode.tokens_per_s(0, max(1, n // 4)), warm_tps=run.decode.tokens_per_s(n // 2),
+                   host_waits_per_token=run.decode.host_waits_per_token(),
+                   cuda_graphs_reused=sum("reused" in text for text in graph_lines))
         self.rows.append(row)
-        self.console.print(f"  {step}: {label}{'' if not mec else f' -mec {mec}'}"
-                           f"{'' if not card else f' card {card} MiB'}: {row['decode_tps']:.1f} t/s, "
-                           f"hit rate {row['hit_rate']:.1%}, {row.get('status', '')} ({row.get('limited_by', '')})")
-        if label == "copy" and card:
+        self.console.print(f"  {step}: {label}{'' if not mec else f' -mec {mec}'}{'' if not card else f' card {card} MiB'}"
+                           f" [{load}, {stream}]: {row['decode_tps']:.1f} t/s (cold {row['cold_tps']:.1f}, warm "
+                           f"{row['warm_tps']:.1f}), hit rate {row['hit_rate']:.1%}, {row['host_waits_per_token']:.1f} "
+                           f"host waits/token, {row.get('status', '')} ({row.get('limited_by', '')})")
+        if design == "copy" and card and load == "default" and stream == "topics":
             self.pool_bytes[(card, mec)] = sum(m.pool for m in run.memory)
         return row
 
@@ -237,7 +280,7 @@ def upstream_row(run, n_tokens: int, card_mib: int | None, cache_mib: int, slots
             "actual_slots": st.slots if st else 0, "limited_by": f"{cache_mib} MiB",
             "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": st.hit_rate if st else 0.0,
             "copy_bytes_per_token": (st.uploaded_mib * 2**20 / max(1, n_tokens)) if st else 0.0,
-            "evictions": 0, "cpu_experts": 0, "deferred": 0, "syncs_per_token": 0.0}
+            "evictions": 0, "cpu_experts": 0, "deferred": 0}
 
 
 def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
@@ -247,8 +290,10 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
             "limited_by": s.limited_by, "decode_tps": run.decode.decode_tokens_per_s, "hit_rate": c.hit_rate,
             "copy_bytes_per_token": c.copy_bytes / max(1, n_tokens), "evictions": c.evictions,
             "cpu_experts": c.cpu_experts, "cpu_experts_per_token": c.cpu_experts / max(1, n_tokens),
-            "deferred": c.deferred, "syncs_per_token": c.syncs_per_token,
+            "deferred": c.deferred, "pool_syncs_per_token": c.syncs_per_token,
             "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0,
+            "experts": s.experts if s.enabled else "-", "serve": s.serve if s.enabled else "-",
+            "serve_reason": s.serve_reason if s.enabled else "",
             # hybrid: misses placed on the device in their step, and prefetch (per token, and its precision)
             "placed_per_token": c.placed / max(1, n_tokens), "prefetched_per_token": c.prefetched / max(1, n_tokens),
             "prefetch_hits_per_token": c.prefetch_hits / max(1, n_tokens),
@@ -264,41 +309,62 @@ def step_upload(c: Check) -> None:
     c.console.print(f"  upload: {c.report['upload']}")
 
 
-def _card_runs(c: Check, step: str, card: int, modes: tuple[str, ...], uploads: str | None) -> None:
+#: the pool's designs, as PoolConfig settings: the device serving each step, or the host
+POOL_DESIGNS = {"device": {"mode": "copy", "serve": "device"}, "copy": {"mode": "copy", "serve": "host"},
+                "hybrid": {"mode": "hybrid", "serve": "host"}}
+#: the session each load is on, and the pool setting it asks for
+LOAD_SESSIONS = {"default": ("offloaded", {}), "mapped": ("offloaded", {"pin": "off"}), "pinned": ("pinned", {})}
+
+
+def _designs(c: Check, step: str, card: int, designs: tuple[str, ...], load: str = "default",
+             stream: str = "topics") -> None:
     from pyllamapool.binding.pool import PoolConfig
 
+    kind, extra = LOAD_SESSIONS[load]
     for mec in c.args.mec:
-        for mode in modes:
-            c.decode(step, mode, "offloaded", mec, card, pool=PoolConfig(slots=mec, device_mib=card, mode=mode,
-                                                                         uploads=uploads))
-
-
-def _first_card_uploads(c: Check) -> str | None:
-    # a GPU takes its default (inline for the mapped experts here; stream where they are pinned);
-    # RPC's default is inline too, so the testbed asks for stream to run both paths
-    return "stream" if c.args.testbed else None
+        for design in designs:
+            if design == "upstream":
+                _upstream_at(c, step, card, mec, load, stream)
+                continue
+            c.decode(step, design, kind, mec, card, load=load, stream=stream,
+                     pool=PoolConfig(slots=mec, device_mib=card, **POOL_DESIGNS[design], **extra))
 
 
 def step_card_first(c: Check) -> None:
     c.decode("first-card", "stock", "offloaded")
-    _card_runs(c, "first-card", c.args.card_mib[0], ("hybrid", "copy"), _first_card_uploads(c))
+    _designs(c, "first-card", c.args.card_mib[0], ("device", "copy", "hybrid"))
 
 
-def _upstream(c: Check, step: str, card: int) -> None:
+def _upstream_at(c: Check, step: str, card: int, mec: int, load: str = "default", stream: str = "topics") -> None:
+    """llama.cpp's cache in the device bytes the copy pool took at this -mec on this card. It pins
+    nothing it maps, so its default load is the mapped pages."""
     from pyllamapool.binding.moecache import equal_memory_mib
 
-    for mec in c.args.mec:
-        cache_mib = equal_memory_mib(c.pool_bytes.get((card, mec), 0))
-        if cache_mib <= 0:
-            continue  # the copy pool was not admitted on this card: nothing to match
-        row = c.decode(step, "upstream", "offloaded", mec, card, moe_cache_mib=cache_mib)
-        if row is None:
-            row = c.decode(step, "upstream", "unrepacked", mec, card, moe_cache_mib=cache_mib)
-            row["no_repack"] = True
+    cache_mib = equal_memory_mib(c.pool_bytes.get((card, mec), 0))
+    if cache_mib <= 0:
+        return  # the copy pool was not admitted on this card: nothing to match
+    kind = "pinned" if load == "pinned" else "offloaded"
+    row = c.decode(step, "upstream", kind, mec, card, moe_cache_mib=cache_mib, load=load, stream=stream)
+    if row is None:
+        row = c.decode(step, "upstream", "unrepacked", mec, card, moe_cache_mib=cache_mib, load=load, stream=stream)
+        row["no_repack"] = True
 
 
 def step_upstream_first(c: Check) -> None:
-    _upstream(c, "upstream-first", c.args.card_mib[0])
+    for mec in c.args.mec:
+        _upstream_at(c, "upstream-first", c.args.card_mib[0], mec)
+
+
+def step_loads_first(c: Check) -> None:
+    """The designs on the loads the default is not: pageable pages (copy and hybrid: the device's path
+    needs pinned experts), and pinned host memory (every design, llama.cpp's cache too)."""
+    card = c.args.card_mib[0]
+    _designs(c, "loads-first", card, ("copy", "hybrid"), load="mapped")
+    _designs(c, "loads-first", card, ("device", "copy", "hybrid", "upstream"), load="pinned")
+
+
+def step_requests_first(c: Check) -> None:
+    _designs(c, "requests-first", c.args.card_mib[0], ("device", "copy", "hybrid", "upstream"), stream="requests")
 
 
 #: hybrid's rules before the default's: (label, placement, prefetch); the label is predict's mode
@@ -311,37 +377,21 @@ def step_hybrid_rules(c: Check) -> None:
     from pyllamapool.binding.pool import PoolConfig
 
     card = c.args.card_mib[0]
-    for mec in c.args.mec:
+    for mec in c.args.mec[-1:]:  # the largest: where the H200 found prefetch and placement cost the most
         for label, placement, prefetch in HYBRID_RULES:
-            c.decode("hybrid-rules", label, "offloaded", mec, card,
-                     pool=PoolConfig(slots=mec, device_mib=card, mode="hybrid", placement=placement,
-                                     prefetch=prefetch, uploads=_first_card_uploads(c)))
+            c.decode("hybrid-rules", "hybrid", "offloaded", mec, card, label=label,
+                     pool=PoolConfig(slots=mec, device_mib=card, mode="hybrid", serve="host", placement=placement,
+                                     prefetch=prefetch))
 
 
 def _auto(c: Check, step: str, card: int) -> None:
     from pyllamapool.binding.pool import PoolConfig
 
-    c.decode(step, "auto", "offloaded", -1, card, pool=PoolConfig(slots="auto", device_mib=card,
-                                                                   uploads=_first_card_uploads(c)))
+    c.decode(step, "auto", "offloaded", -1, card, pool=PoolConfig(slots="auto", device_mib=card))
 
 
 def step_auto_first(c: Check) -> None:
     _auto(c, "auto-first", c.args.card_mib[0])
-
-
-def other_upload_path(rows: list[dict], asked: str | None) -> str:
-    """The upload path the first card's pools did not take. Where it admitted none, the path asked
-    for decides (asked None: the default, inline for the mapped experts the check loads)."""
-    taken = next((r["uploads"] for r in rows if r["step"] == "first-card" and r["mode"] in ("hybrid", "copy")
-                  and r.get("status") == "enabled"), asked or "inline")
-    return "inline" if taken == "stream" else "stream"
-
-
-def step_other_uploads(c: Check) -> None:
-    """Hybrid and copy on the first card by the other upload path: both paths are timed side by side
-    wherever the default falls."""
-    _card_runs(c, "uploads-first", c.args.card_mib[0], ("hybrid", "copy"),
-               other_upload_path(c.rows, _first_card_uploads(c)))
 
 
 def _resident_fits(c: Check) -> bool:
@@ -356,16 +406,15 @@ def step_resident(c: Check) -> None:
         c.report["resident_skipped"] = "the device does not hold every expert"
         return
     full = c.spec.n_expert
-    for mode in ("hybrid", "copy"):
-        c.decode("resident", f"{mode}-resident", "offloaded", full, None,
-                 pool=PoolConfig(slots=full, mode=mode, uploads=_first_card_uploads(c)))
+    for design in ("device", "hybrid", "copy"):
+        c.decode("resident", design, "offloaded", full, None, label=f"{design}-resident",
+                 pool=PoolConfig(slots=full, **POOL_DESIGNS[design]))
     c.decode("resident", "resident", "resident")
 
 
 def step_card_second(c: Check) -> None:
     for card in c.args.card_mib[1:]:
-        _card_runs(c, "other-cards", card, ("hybrid", "copy"), _first_card_uploads(c))
-        _upstream(c, "other-cards", card)
+        _designs(c, "other-cards", card, ("device", "hybrid", "copy", "upstream"))
         _auto(c, "other-cards", card)
 
 
@@ -404,7 +453,9 @@ def step_parity(c: Check) -> None:
                            "--logits", str(logits))
     c.report["parity"] = {**device_side, "hybrid": host_side, "geometry": geometry}
     ok = device_side.get("bit_identical")
-    c.console.print(f"  parity: copy vs {device_side.get('against')}: {'bit-identical' if ok else 'DIFFERS'}; hybrid "
+    served = device_side.get("device_serve", {})
+    c.console.print(f"  parity: copy vs {device_side.get('against')}: {'bit-identical' if ok else 'DIFFERS'}; the device's "
+                    f"path vs all-resident: {served.get('bit_identical_to_resident', served.get('reason'))}; hybrid "
                     f"vs stock max |dlogit| {host_side.get('hybrid_max_abs_diff')}, bound {host_side.get('bound')}")
 
 
@@ -470,44 +521,48 @@ def step_predict(c: Check) -> None:
         c.report["predict_error"] = str(e)
         return
     routing = c.est.routing
-    # every session here maps the experts from the file: the uploads read pageable memory, and the
-    # stream path's pinned staging is filled from it
-    pinned = False
     for r in c.rows:
-        if "decode_tps" not in r or r["mode"] not in ("stock", "copy", "hybrid", "upstream", "auto",
+        if "decode_tps" not in r or r["mode"] not in ("stock", "device", "copy", "hybrid", "upstream", "auto",
                                                       *(label for label, _, _ in HYBRID_RULES)) or \
                 (r["mode"] != "stock" and r.get("status") == "disabled"):
             continue
+        # the link the row's misses crossed: pinned memory, or pages pinned in place (experts=registered;
+        # llama.cpp's cache pins what it maps only with -lm none); else pageable pages
+        pinned = r.get("experts") in ("pinned", "registered") or (r["mode"] == "upstream" and r.get("load") == "pinned")
         mode = {"upstream": "merged-lru"}.get(r["mode"], r["mode"])
         slots = r["actual_slots"] if mode != "merged-lru" else r["slots"]
         pred = P.predict(g, profile, routing, slots, modes=(mode,), pinned=pinned)[0] if mode != "stock" else None
         r["predicted_tps"] = pred.tokens_per_s if pred else P._tps_at_hit_rate(g, profile, "stock", 0.0, pinned)
         r["predicted_hit_rate"] = pred.hit_rate if pred else 0.0
-        if mode in ("copy", "hybrid"):
+        if mode in ("copy", "hybrid", "device"):
             r["predicted_tps_at_measured_hits"] = P._tps_at_hit_rate(g, profile, mode, r["hit_rate"], pinned)
         r["prediction_error"] = r["predicted_tps"] / r["decode_tps"] - 1 if r["decode_tps"] else None
     c.report["predict_profile"] = profile.__dict__
 
 
+def _runs_s(c: Check, designs: tuple[str, ...], cards: int = 1) -> float:
+    return sum(c.est.run_s(d, mec) for mec in c.args.mec for d in designs) * cards
+
+
 STEPS = (
-    Step("upload", "host -> device bandwidth and copy latency", lambda c: 3.0, step_upload),
-    Step("first-card", "stock, hybrid and copy on the first card", lambda c: c.est.run_s("stock") + sum(
-        c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")) + c.est.load_s(), step_card_first),
-    Step("upstream-first", "llama.cpp's --moe-cache-mib at equal memory", lambda c: sum(
-        c.est.run_s("upstream", mec) for mec in c.args.mec) + c.est.load_s(), step_upstream_first),
+    Step("upload", "host -> device: pageable, pinned, pinned in place; copy latency", lambda c: 3.0, step_upload),
+    Step("first-card", "stock, the device's path, copy and hybrid on the first card", lambda c: c.est.run_s("stock")
+         + _runs_s(c, ("device", "copy", "hybrid")) + c.est.load_s(), step_card_first),
+    Step("upstream-first", "llama.cpp's --moe-cache-mib at equal memory", lambda c: _runs_s(c, ("upstream",)),
+         step_upstream_first),
+    Step("loads-first", "the designs on pageable pages and on pinned memory (-lm none)", lambda c: _runs_s(
+        c, ("copy", "hybrid")) + _runs_s(c, ("device", "copy", "hybrid", "upstream")) + c.est.load_s(), step_loads_first),
+    Step("requests-first", "the designs on short requests with topic switches", lambda c: _runs_s(
+        c, ("device", "copy", "hybrid", "upstream")) + c.est.load_s(), step_requests_first),
+    Step("auto-first", "-mec auto on the first card", lambda c: c.est.run_s("auto"), step_auto_first),
+    Step("other-cards", "the other cards", lambda c: (_runs_s(c, ("device", "hybrid", "copy", "upstream"))
+         + c.est.run_s("auto")) * (len(c.args.card_mib) - 1), step_card_second),
     Step("hybrid-rules", "hybrid without prefetch, and with every miss on the CPU", lambda c: sum(
-        c.est.run_s(label, mec) for mec in c.args.mec for label, _, _ in HYBRID_RULES), step_hybrid_rules),
-    Step("auto-first", "-mec auto on the first card", lambda c: c.est.run_s("hybrid", max(c.args.mec)),
-         step_auto_first),
-    Step("uploads-first", "copy and hybrid on the other upload path", lambda c: sum(
-        c.est.run_s(m, mec) for mec in c.args.mec for m in ("hybrid", "copy")), step_other_uploads),
-    Step("other-cards", "the second card", lambda c: sum(c.est.run_s(m, mec) for mec in c.args.mec for m in (
-        "hybrid", "copy", "upstream")) * (len(c.args.card_mib) - 1) + c.est.load_s() + c.est.run_s(
-        "hybrid", max(c.args.mec)) * (len(c.args.card_mib) - 1), step_card_second),
-    Step("resident", "every expert on the device, per design", lambda c: 2 * c.est.run_s("copy", c.spec.n_expert)
+        c.est.run_s(label, mec) for mec in c.args.mec[-1:] for label, _, _ in HYBRID_RULES), step_hybrid_rules),
+    Step("resident", "every expert on the device, per design", lambda c: 3 * c.est.run_s("copy", c.spec.n_expert)
          + c.est.run_s("resident") + c.est.load_s(True), step_resident),
-    Step("parity", "copy bit for bit, hybrid within the bound", lambda c: 2 * c.est.child_s(3), step_parity,
-         per_run=False),
+    Step("parity", "copy and the device's path bit for bit, hybrid within the bound", lambda c: 2 * c.est.child_s(4),
+         step_parity, per_run=False),
     Step("parity-types", "every expert type", lambda c: len(c.args.parity_types) * c.est.child_s(2),
          step_parity_types),
     Step("cxx-runtime", "the libstdc++ rule", lambda c: c.est.child_s(1), step_cxx_runtime, per_run=False),
@@ -567,7 +622,9 @@ def parity(args) -> dict:
             raise SystemExit(f"logits of {len(a)} and {len(b)} steps (or of other widths) cannot be compared")
         return float(max(np.max(np.abs(x - y)) for x, y in zip(a, b)))
 
-    heavy = PoolConfig(slots=spec.n_expert_used, mode="copy", device_mib=65536)
+    heavy = PoolConfig(slots=spec.n_expert_used, mode="copy", device_mib=65536, serve="host")
+    # the device's own path at the same slots: the device fetches every miss, every step evicts
+    heavy_device = PoolConfig(slots=spec.n_expert_used, mode="copy", device_mib=65536, serve="device")
     with ExitStack() as stack:
         rpc: tuple[str, ...] = ()
         if args.testbed:
@@ -595,9 +652,21 @@ def parity(args) -> dict:
             verdict = {"against": "all-resident (testbed)" if args.testbed else "stock host-copy path on the device",
                        "bit_identical": same(a, b), "max_abs_diff": max_diff(a, b) if len(a) == len(b) else None,
                        "evictions": pooled.counters.evictions, "steps": len(a), "expert_type": spec.expert_type}
+            resident_logits = None
             if not args.testbed and not verdict["bit_identical"]:
                 # every expert on the device: one split, the fusions the pool's graph gets
-                verdict["bit_identical_to_resident"] = same(a, resident().decode.logits)
+                resident_logits = resident().decode.logits
+                verdict["bit_identical_to_resident"] = same(a, resident_logits)
+            # the device's path reads its slots as copy mode's graph does: bit for bit the all-resident run
+            served = run(offloaded, heavy_device)
+            if served.status.serve == "device":
+                if resident_logits is None:
+                    resident_logits = reference.decode.logits if args.testbed else resident().decode.logits
+                verdict["device_serve"] = {"bit_identical_to_resident": same(served.decode.logits, resident_logits),
+                                           "evictions": served.counters.evictions,
+                                           "host_waits_per_token": served.decode.host_waits_per_token()}
+            else:
+                verdict["device_serve"] = {"serve": served.status.serve, "reason": served.status.serve_reason}
             return verdict
         stock = run(offloaded)
         hybrid = run(offloaded, PoolConfig(slots=max(spec.n_expert_used, spec.n_expert // 4), mode="hybrid",
@@ -687,8 +756,13 @@ def run(args) -> int:
                                 "s_per_gb": None if stats is None else round(stats.seconds_per_gb, 3)}
         console.print(f"model {c.model_path.name}: {c.model_path.stat().st_size / 1e9:.2f} GB"
                       + ("" if stats is None else f", written in {stats.seconds:.0f} s ({stats.seconds_per_gb:.2f} s/GB)"))
-        c.stream = token_stream(c.spec, StreamSpec(n_tokens=args.tokens + PROMPT, seed=11))
-        c.n = len(c.stream) - PROMPT
+        # the topic stream is another seed than parity's; the requests are as many tokens in all
+        topics = token_stream(c.spec, StreamSpec(n_tokens=args.tokens + PROMPT, seed=23))
+        c.streams["topics"] = [(topics[:PROMPT], topics[PROMPT:])]
+        per = PROMPT + min(REQUEST_TOKENS, args.tokens)
+        n_req = max(2, args.tokens // min(REQUEST_TOKENS, args.tokens))
+        requests = token_stream(c.spec, StreamSpec(n_tokens=n_req * per, request_length=per, seed=29))
+        c.streams["requests"] = [(requests[i:i + PROMPT], requests[i + PROMPT:i + per]) for i in range(0, n_req * per, per)]
         if args.testbed:
             server = c.stack.enter_context(start_rpc_server())
             c.rpc = (server.endpoint,)
@@ -747,7 +821,7 @@ def repredict(args) -> int:
 
     path = Path(args.report)
     report = json.loads(path.read_text())
-    if report.get("schema") != SCHEMA:
+    if report.get("schema") not in (SCHEMA, "pyllamapool.gpu-check/2"):
         raise SystemExit(f"{path}: not a {SCHEMA} report (schema {report.get('schema')!r})")
     ns = argparse.Namespace(geometry=report["geometry"], tokens=report["tokens"], testbed=report["testbed"],
                             deadline_s=report["deadline_s"], profile=None, out=str(path))
@@ -800,20 +874,25 @@ def report_markdown(report: dict) -> str:
     rows = [r for r in report["rows"] if "decode_tps" in r]
     stock = next((r["decode_tps"] for r in rows if r["mode"] == "stock"), None)
     lines = [f"GPU check on {dev.get('description', '?')} ({dev.get('name', '?')}), {report['geometry']} shape, "
-             f"{report['tokens']} decode tokens" + (" (testbed: loopback RPC)" if report["testbed"] else ""), "",
-             "| step | mode | uploads | card MiB | -mec | slots | t/s | x stock | hit rate | CPU experts/token | "
-             "MiB up/token | host waits/token | blocked ms/token | predicted t/s | error | predicted at measured hits |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{report['tokens']} decode tokens per row, timed token to token; cold: the first quarter, warm: the "
+             "last half" + (" (testbed: loopback RPC)" if report["testbed"] else ""), "",
+             "| step | design | load | stream | served | experts | card MiB | -mec | slots | t/s | cold | warm | "
+             "warm x stock | hit rate | CPU experts/token | MiB up/token | host waits/token | CUDA graphs | "
+             "predicted t/s | error |",
+             "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: | ---: | ---: |"]
     for r in rows:
         why = "" if r.get("status") != "disabled" else f" ({r.get('reason')})"
+        served = r.get("serve", "-") + (f" ({r['serve_reason']})" if r.get("serve_reason") else "")
+        warm = r.get("warm_tps", r["decode_tps"])
         lines.append(
-            f"| {r['step']} | {r['mode']}{why} | {r.get('uploads', '-')} | {r.get('card_mib') or '-'} | "
-            f"{r.get('mec') or '-'} | {r.get('actual_slots', 0)} | {r['decode_tps']:.1f} | "
-            f"{_f(r['decode_tps'] / stock if stock else None, '.2f')} | {r['hit_rate']:.1%} | "
+            f"| {r['step']} | {r['mode']}{why} | {r.get('load', '-')} | {r.get('stream', '-')} | {served} | "
+            f"{r.get('experts', '-')} | {r.get('card_mib') or '-'} | {r.get('mec') or '-'} | {r.get('actual_slots', 0)} | "
+            f"{r['decode_tps']:.1f} | {_f(r.get('cold_tps'))} | {_f(r.get('warm_tps'))} | "
+            f"{_f(warm / stock if stock else None, '.2f')} | {r['hit_rate']:.1%} | "
             f"{_f(r.get('cpu_experts_per_token'))} | {r['copy_bytes_per_token'] / 2**20:.2f} | "
-            f"{_f(r.get('syncs_per_token'))} | {_f(r.get('block_ms_per_token'), '.3f')} | "
-            f"{_f(r.get('predicted_tps'))} | {_f(r.get('prediction_error'), '+.0%')} | "
-            f"{_f(r.get('predicted_tps_at_measured_hits'))} |")
+            f"{_f(r.get('host_waits_per_token', r.get('syncs_per_token')))} | {_f(r.get('cuda_graphs_reused'), 'd')} | "
+            f"{_f(r.get('predicted_tps'))} | {_f(r.get('prediction_error'), '+.0%')} |")
     skipped = [f"{r['step']} {r['mode']} -mec {r.get('slots')}" for r in report["rows"] if r.get("skipped")]
     lines += ["", "| step | status | est. s | measured s |", "| --- | --- | ---: | ---: |"]
     for s in report["steps"]:
@@ -821,8 +900,9 @@ def report_markdown(report: dict) -> str:
     up = report.get("upload")
     if up:
         lines += ["", f"upload: {_f(up.get('pageable_gb_s'))} GB/s pageable, {_f(up.get('pinned_gb_s'))} GB/s pinned, "
-                      f"{up['copy_latency_us_64k']:.0f} us per 64 KiB copy; host cost per CPU expert "
-                      f"{_f(report.get('host_expert_ms'), '.3f')} ms"]
+                      f"{_f(up.get('registered_gb_s'))} GB/s pinned in place (registered at "
+                      f"{_f(up.get('register_gb_s'))} GB/s), {up['copy_latency_us_64k']:.0f} us per 64 KiB copy; "
+                      f"host cost per CPU expert {_f(report.get('host_expert_ms'), '.3f')} ms"]
     gen = report.get("generate")
     if gen:
         lines.append(f"model: {gen['bytes'] / 1e9:.1f} GB" + (" (cached)" if gen["cached"] else
@@ -830,8 +910,12 @@ def report_markdown(report: dict) -> str:
     p = report.get("parity")
     if p:
         h = p.get("hybrid", {})
+        served = p.get("device_serve", {})
+        served_text = ("bit-identical" if served.get("bit_identical_to_resident") else "DIFFERS") \
+            if "bit_identical_to_resident" in served else f"not run ({served.get('serve', '?')}: {served.get('reason', '')})"
         lines.append(f"parity ({p.get('geometry')} shape): copy vs {p.get('against')}: "
                      f"{'bit-identical' if p.get('bit_identical') else 'DIFFERS ' + str(p.get('max_abs_diff'))}; "
+                     f"the device's path vs all-resident: {served_text}; "
                      f"hybrid vs stock max |dlogit| {_f(h.get('hybrid_max_abs_diff'), '.3g')} (bound "
                      f"{_f(h.get('bound'), '.3g')}: twice the device path's distance from stock)")
     by_type = report.get("parity_by_type")
@@ -893,7 +977,7 @@ def main() -> int:
                        help="slots per layer (default: top-k, 1/4 and 1/2 of the experts; all of them is the resident step)")
         r.add_argument("--card-mib", type=_ints, default=[16384, 24576],
                        help="emulated card sizes (LLAMA_MOE_POOL_DEVICE_MIB), the most important first")
-        r.add_argument("--tokens", type=int, default=64, help="teacher-forced decode tokens per run")
+        r.add_argument("--tokens", type=int, default=256, help="teacher-forced decode tokens per run (warm: the last half)")
         r.add_argument("--deadline-s", type=float, default=COMMAND_S - 60,
                        help="steps that would end after this many seconds are skipped (default 540)")
         r.add_argument("--profile", help="the hardware profile the plan estimates with (default: the H200's "
