@@ -41,7 +41,7 @@ class Case:
     model: str
     mode: str
     slots: tuple[int, ...]
-    device: str = "rpc"   # or "lazy"
+    device: str = "rpc"   # or "lazy" (the device serves the steps where it can), or "lazy-host"
     cpu_moe: bool = True
     cpu_overrides: tuple[str, ...] = ()
 
@@ -98,10 +98,11 @@ def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], C
     return out, ctx
 
 
-def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int) -> Run:
+def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int, serve: str | None = None) -> Run:
     # hybrid with prefetch on: the default (auto) prefetches only on the stream path, where the link
     # has room, which the RPC device's inline path is not, and each architecture's router must predict
-    pool = PoolConfig(slots=slots, device_mib=65536, mode=mode, prefetch="on" if mode == "hybrid" else None)
+    pool = PoolConfig(slots=slots, device_mib=65536, mode=mode, prefetch="on" if mode == "hybrid" else None,
+                      serve=serve)
     logits, ctx = scenario(model, pool)
     report = ctx.pool_report(per_pool=True)
     status = report.status
@@ -129,15 +130,17 @@ def main(cases_file: str) -> None:
             for case in cases:
                 print(f"{MARK}begin {case.id}", flush=True)
                 try:
-                    if (case.model, case.device) not in references:
-                        resident = Model(case.model, n_gpu_layers=99, **on[case.device])
-                        references[case.model, case.device] = scenario(resident, None)[0]
+                    # "lazy-host": the lazy device, with the host serving each step (not the device's path)
+                    device, _, serve = case.device.partition("-")
+                    if (case.model, device) not in references:
+                        resident = Model(case.model, n_gpu_layers=99, **on[device])
+                        references[case.model, device] = scenario(resident, None)[0]
                         resident.close()
-                    key = (case.model, case.device, case.cpu_moe, case.cpu_overrides)
+                    key = (case.model, device, case.cpu_moe, case.cpu_overrides)
                     if key not in models:
-                        models[key] = Model(case.model, n_gpu_layers=99, **on[case.device], cpu_moe=case.cpu_moe,
+                        models[key] = Model(case.model, n_gpu_layers=99, **on[device], cpu_moe=case.cpu_moe,
                                             cpu_overrides=case.cpu_overrides)
-                    runs = [asdict(pooled_run(models[key], references[case.model, case.device], case.mode, s))
+                    runs = [asdict(pooled_run(models[key], references[case.model, device], case.mode, s, serve or None))
                             for s in case.slots]
                     result = {"id": case.id, "runs": runs}
                 except Exception as exc:  # a Python-side failure is this case's, not the worker's

@@ -1,6 +1,7 @@
 """Every MoE architecture llama.cpp's test-llama-archs makes, pooled on the loopback RPC device and on
 the lazy-copy test device (whose copies read their sources only when its queue runs: an ordering bug
-that the RPC device's synchronous copies hide is a wrong logit there).
+that the RPC device's synchronous copies hide is a wrong logit there), there both with the device
+serving each step itself (the device-side path, its default) and with the host serving it.
 
 The list comes from what the tool writes (its `-moe` models), so an architecture added upstream
 joins the sweep by itself. Each model with fewer than eight experts (most have two) is widened to eight
@@ -42,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 N_EXPERT = 8
 MODES = ("copy", "hybrid")
 #: the loopback RPC device (synchronous copies) and the lazy-copy test device (copies that read their
-#: sources when its queue runs: an upload or a table published too early is a wrong logit there)
-DEVICES = ("rpc", "lazy")
+#: sources when its queue runs: an upload or a table published too early is a wrong logit there), where
+#: by default the device serves each step itself (GGML_OP_MOE_FETCH), and again with the host serving
+DEVICES = ("rpc", "lazy", "lazy-host")
 #: the optional per-expert scales test-llama-archs gives some architectures
 EXPERT_SCALES = r"_(ch)?exps\.(scale|input_scale)$"
 #: only the expert weights on the host: biases (and scales) stay on the device with the layer

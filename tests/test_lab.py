@@ -227,38 +227,48 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
                         "--upload-mib", "8", "--parity-types", "F16,Q4_K", "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["schema"] == "pyllamapool.gpu-check/2" and report["device"]["name"].startswith("RPC")
-    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "hybrid-rules",
-                                                     "auto-first", "uploads-first", "other-cards", "resident",
-                                                     "parity", "parity-types", "cxx-runtime"]
+    assert report["schema"] == "pyllamapool.gpu-check/3" and report["device"]["name"].startswith("RPC")
+    assert [s["step"] for s in report["steps"]] == ["upload", "first-card", "upstream-first", "loads-first",
+                                                     "requests-first", "auto-first", "other-cards", "hybrid-rules",
+                                                     "resident", "parity", "parity-types", "cxx-runtime"]
     assert all(s["status"] == "done" and s["wall_s"] >= 0 and s["est_s"] > 0 for s in report["steps"])
     assert report["upload"]["pageable_gb_s"] > 0 and report["upload"]["copy_latency_us_64k"] > 0
     rows = report["rows"]
     by_step = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
-    # stock first; -mec 4 and 8 (top-k, half; a quarter is top-k here) in both modes on every card
-    assert rows[0]["mode"] == "stock"
-    assert sorted((r["mode"], r["mec"]) for r in by_step["first-card"][1:]) == [
-        ("copy", 4), ("copy", 8), ("hybrid", 4), ("hybrid", 8)]
+    designs = lambda step: sorted((r["design"], r["load"], r["stream"], r["mec"]) for r in by_step[step])
+    # stock first; -mec 4 and 8 (top-k, half; a quarter is top-k here): the device's path and the host's
+    assert rows[0]["mode"] == "stock" and rows[0]["design"] == "stock"
+    assert designs("first-card")[:-1] == sorted((d, "default", "topics", m) for d in ("device", "copy", "hybrid")
+                                                for m in (4, 8))
+    # the other loads: pageable pages (the host's designs), pinned memory (every design); short requests
+    assert designs("loads-first") == sorted([(d, "mapped", "topics", m) for d in ("copy", "hybrid") for m in (4, 8)]
+                                            + [(d, "pinned", "topics", m) for d in ("device", "copy", "hybrid")
+                                               for m in (4, 8)])
+    assert designs("requests-first") == sorted((d, "default", "requests", m) for d in ("device", "copy", "hybrid")
+                                               for m in (4, 8))
+    # every row, every design: the whole run's rate, the cold and the warm one, and the host's waits
+    measured = [r for r in rows if "decode_tps" in r]
+    assert all(r["cold_tps"] > 0 and r["warm_tps"] > 0 and r["host_waits_per_token"] > 0 for r in measured)
     # hybrid's earlier rules beside the default on the first card: without prefetch, every miss on the CPU
-    assert sorted((r["mode"], r["mec"]) for r in by_step["hybrid-rules"]) == [
-        ("hybrid-cpu", 4), ("hybrid-cpu", 8), ("hybrid-no-prefetch", 4), ("hybrid-no-prefetch", 8)]
+    assert sorted((r["mode"], r["mec"]) for r in by_step["hybrid-rules"]) == [("hybrid-cpu", 8), ("hybrid-no-prefetch", 8)]
     # the small card admits no pool (or only one the rail limits); the big one admits every -mec
     assert all(r["status"] == "disabled" or r["limited_by"] == "rail" for r in by_step["first-card"][1:])
-    big = [r for r in by_step["other-cards"] if r["mode"] in ("copy", "hybrid")]
-    assert len(big) == 4 and all(r["status"] == "enabled" and r["uploads"] == "stream" for r in big)
+    big = [r for r in by_step["other-cards"] if r["mode"] in ("device", "copy", "hybrid")]
+    assert len(big) == 6 and all(r["status"] == "enabled" for r in big)
+    # RPC cannot read host memory in place, and the CPU repacks Q4_K: the host serves, and says why
+    assert all(r["serve"] == "host" and r["serve_reason"] == ("repacked" if r["mode"] == "device" else "off")
+               for r in big)
     assert any(r["cpu_experts"] > 0 for r in big if r["mode"] == "hybrid")
-    # the other upload path on the first card (which, here, admits no pool: other_upload_path's test)
-    assert sorted((r["mode"], r["mec"]) for r in by_step["uploads-first"]) == [
-        ("copy", 4), ("copy", 8), ("hybrid", 4), ("hybrid", 8)]
     copied = [r["copy_bytes_per_token"] for r in sorted((r for r in big if r["mode"] == "copy"), key=lambda r: r["mec"])]
     assert copied[0] > copied[-1]
     assert all(r["block_ms_per_token"] >= 0 for r in big)
     # llama.cpp's own cache beside every admitted copy pool, at its bytes
     upstream = [r for r in rows if r["mode"] == "upstream"]
     assert {(r["card_mib"], r["mec"]) for r in upstream} == {
-        (r["card_mib"], r["mec"]) for r in rows if r["mode"] == "copy" and r["status"] == "enabled"}
+        (r["card_mib"], r["mec"]) for r in rows if r["mode"] == "copy" and r["status"] == "enabled"
+        and r["load"] == "default" and r["stream"] == "topics"}
     assert upstream and all(r["status"] == "enabled" and r["hit_rate"] > 0 for r in upstream)
     # -mec auto on every card: sized by itself; on the big card it ran some steps on each side (stock
     # first, then the pool's probe: 24 decode steps hold both)
@@ -267,22 +277,25 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert auto[1]["status"] == "enabled" and auto[1]["actual_slots"] > max(r["mec"] for r in big)
     assert 0 < auto[1]["stock_share"] < 1
     # every design with every expert on the device: its fixed cost, and the host's cost per CPU expert
-    assert [r["mode"] for r in by_step["resident"]] == ["hybrid-resident", "copy-resident", "resident"]
-    assert all(r["status"] == "enabled" for r in by_step["resident"][:2]) and report["host_expert_ms"] > 0
-    # parity: copy bit for bit against all-resident with evictions; hybrid within its stated bound
+    assert [r["mode"] for r in by_step["resident"]] == ["device-resident", "hybrid-resident", "copy-resident",
+                                                        "resident"]
+    assert all(r["status"] == "enabled" for r in by_step["resident"][:3]) and report["host_expert_ms"] > 0
+    # parity: copy bit for bit against all-resident with evictions; hybrid within its stated bound; the
+    # device's path cannot run on RPC, and the report says so
     parity = report["parity"]
     assert parity["bit_identical"] and parity["evictions"] > 0
+    assert parity["device_serve"]["serve"] == "host" and parity["device_serve"]["reason"]
     assert parity["hybrid"]["within_bound"] and parity["hybrid"]["cpu_experts"] > 0
     assert [(r["expert_type"], r["bit_identical"]) for r in report["parity_by_type"]] == [("F16", True), ("Q4_K", True)]
     # the prediction beside each measured row, from the profile this run measured
     predicted = [r for r in rows if "predicted_tps" in r]
-    assert {r["mode"] for r in predicted} >= {"stock", "copy", "hybrid", "upstream", "auto"}
+    assert {r["mode"] for r in predicted} >= {"stock", "device", "copy", "hybrid", "upstream", "auto"}
     assert all(r["predicted_tps"] > 0 and r["prediction_error"] is not None for r in predicted)
     assert report["predict_profile"]["pcie_gb_s"] == report["upload"]["pageable_gb_s"]  # RPC: no pinned memory
     assert report["cxx_runtime"]["this_process"]["preloaded"] == "libstdc++.so.6"
     assert report["cxx_runtime"]["without_rule"]["loaded"]
     markdown = (tmp_path / "gpu-check.md").read_text()
-    assert markdown in result.stdout and "| other-cards | copy | stream | 65536 | 8 |" in markdown
+    assert markdown in result.stdout and "| other-cards | copy | default | topics | host (off) | file | 65536 | 8 |" in markdown
     # `predict` puts a finished report's predictions back, as the run made them
     made = {i: r["predicted_tps"] for i, r in enumerate(rows) if "predicted_tps" in r}
     for r in rows:
@@ -303,18 +316,6 @@ def _gpu_check_module():
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-def test_the_check_times_the_upload_path_the_first_cards_pools_did_not_take():
-    other = _gpu_check_module().other_upload_path
-    pool = {"step": "first-card", "mode": "copy", "status": "enabled"}
-    stock = {"step": "first-card", "mode": "stock", "status": "disabled", "uploads": "-"}
-    # a GPU with mapped experts: the default is inline, so stream is timed beside it, and the reverse
-    assert other([stock, {**pool, "uploads": "inline"}], None) == "stream"
-    assert other([stock, {**pool, "uploads": "stream"}], None) == "inline"
-    # no pool admitted: the path asked for decides (the testbed asks for stream), else the default's
-    assert other([stock, {**pool, "status": "disabled", "uploads": "-"}], "stream") == "inline"
-    assert other([stock], None) == "stream"
 
 
 def test_a_type_that_differs_only_where_cuda_fuses_passes_when_it_equals_the_all_resident_run():

@@ -8,9 +8,10 @@ still has to read, gives a wrong result here, deterministically, where the synch
 cannot tell. The device computes with ggml-cpu's kernels, so every run must equal the all-resident
 run on the same device bit for bit.
 
-The device has events but no host buffer type, so by default the pool would take the inline upload
-path here; these tests ask for the stream path (staging, an upload queue of its own, events), which is
-what GPUs take, and the heavy-eviction test runs both.
+The device has events but no host buffer type; the pool pins the mapped experts in place with its
+registration hook, so by default the device serves each step itself (the device-side path: its own
+tests are at the end). The host's paths are asked for explicitly: the stream path (staging, an upload
+queue of its own, events), which is what GPUs take, and the heavy-eviction test runs both.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import re
 import numpy as np
 import pytest
 
-from pyllamapool.binding.llama import Context, Model, lazy_copy_device
+from pyllamapool.binding.llama import Context, Model, lazy_copy_device, lazy_copy_registered
 from pyllamapool.binding.pool import PoolConfig
 from pyllamapool.run.testmodel import ModelSpec, StreamSpec, token_stream
 from pyllamapool.run.trace import PoolTraceRecorder
@@ -32,8 +33,14 @@ PATHS = ["stream", "inline"]
 
 
 def pool(**kw) -> PoolConfig:
-    """The pool on the lazy device: an emulated size, stream uploads unless asked otherwise."""
-    return PoolConfig(**{"device_mib": 65536, "uploads": "stream", **kw})
+    """The pool on the lazy device, served by the host (the device-side path has tests of its own below):
+    an emulated size, stream uploads unless asked otherwise."""
+    return PoolConfig(**{"device_mib": 65536, "uploads": "stream", "serve": "host", **kw})
+
+
+def on_device(**kw) -> PoolConfig:
+    """The device-side path: the device finds and fetches each step's misses itself."""
+    return PoolConfig(**{"device_mib": 65536, **kw})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,20 +85,26 @@ def test_where_the_device_skips_ids_hybrid_allocates_no_zero_slot(qwen3_model, s
     assert status.bytes == sum(i.slots_alloc * i.slot_bytes for i in report.pools)
 
 
+@pytest.mark.parametrize("pin", ["on", "off"])
 @pytest.mark.parametrize("uploads", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
-def test_heavy_eviction_is_bit_identical(make_model, stream, mode, expert_type, uploads):
+def test_heavy_eviction_is_bit_identical(make_model, stream, mode, expert_type, uploads, pin):
     """Slots at top-k: every step evicts and uploads; with Q4_0 the CPU repacks the host copy and
-    misses are read from the model file into staging, which must outlive the device's read."""
+    misses are read from the model file into staging, which must outlive the device's read. Mapped
+    experts are read from their pinned pages (pin on) or gathered into staging, on several threads
+    where that pays (pin off)."""
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream, n_prompt=1)
     model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
     repacked = cpu_repacks_weights(model)
-    result, report, status, _ = decode(model, stream, pool(slots=4, mode=mode, uploads=uploads), n_prompt=1)
+    result, report, status, _ = decode(model, stream, pool(slots=4, mode=mode, uploads=uploads, pin=pin,
+                                                           gather_threads=2 if pin == "off" else None), n_prompt=1)
     model.close()
     c = report.counters
     assert status.enabled and status.mode == mode and status.uploads == uploads
+    assert status.experts == ("file" if repacked and mode == "copy" else "registered" if pin == "on" else "mapped")
+    assert status.gather_threads == (2 if status.experts == "mapped" and uploads == "stream" else 0)
     assert c.evictions > 0 and c.uploads > 0 and c.device_experts > 0
     if mode == "hybrid":
         assert c.cpu_experts > 0
@@ -133,19 +146,69 @@ def test_two_sequences_in_one_batch_are_bit_identical(qwen3_model, stream, mode)
         assert all(np.array_equal(a, b) for a, b in zip(r, g))
 
 
-def test_without_pinned_memory_the_default_upload_path_is_inline(qwen3_model, stream, monkeypatch):
-    """By default stream uploads go only where the experts already sit in the device's pinned memory;
-    the lazy device has events but no host buffer type, so its experts never do, and the pool takes the
-    inline path unless asked (a setting, or LLAMA_MOE_POOL_UPLOADS), and says so."""
+def test_mapped_experts_are_pinned_in_place_and_take_the_stream_path(qwen3_model, stream, monkeypatch):
+    """The default load maps the experts from the file. Where the device offers a host registration
+    hook (CUDA's, which the lazy device exports too), the pool pins those pages in place when it is
+    made: its copies then read them directly, on the stream path, as experts in pinned memory are.
+    The ranges are released when the context goes, before the model that maps them can be (the
+    lazy device aborts if a range is unregistered after its pages were unmapped)."""
+    ref = resident(qwen3_model, stream[:24], n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
-    _, _, status, lines = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
-    _, _, asked, asked_lines = decode(model, stream[:24], pool(slots=4), n_prompt=1)
-    monkeypatch.setenv("LLAMA_MOE_POOL_UPLOADS", "stream")
-    _, _, from_env, _ = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
+    ctx = Context(model, pool=pool(slots=4, uploads=None))
+    held = lazy_copy_registered()
+    status = ctx.pool_status(0)
+    ctx.close()
+    released = lazy_copy_registered()
+    result, _, _, lines = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
     model.close()
-    assert status.uploads == "inline" and asked.uploads == "stream" and from_env.uploads == "stream"
-    assert any(line.startswith("expert pool status=enabled") and " uploads=inline" in line for line in lines)
-    assert any(line.startswith("expert pool status=enabled") and " uploads=stream" in line for line in asked_lines)
+    assert status.experts == "registered" and status.experts_reason == "" and status.uploads == "stream"
+    assert held[0] > 0 and held[1] == 0 and released == (0, 0)
+    assert any(l.startswith("expert pool status=enabled") and " experts=registered" in l for l in lines)
+    assert lazy_copy_registered() == (0, 0)
+    assert identical(result, ref), "uploads from the pinned pages changed the logits"
+
+
+def test_two_contexts_share_the_pinned_ranges_and_the_last_releases_them(qwen3_model):
+    """A driver refuses a range that overlaps a registered one: a second context on the same model
+    takes the first one's registrations, and only the last context to go unregisters them."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    first = Context(model, pool=pool(slots=4))
+    alone = lazy_copy_registered()
+    second = Context(model, pool=pool(slots=6))
+    both = lazy_copy_registered()
+    statuses = (first.pool_status(0), second.pool_status(0))
+    first.close()
+    after_first = lazy_copy_registered()
+    second.close()
+    model.close()
+    assert all(s.experts == "registered" for s in statuses)
+    assert alone[0] > 0 and both == alone and after_first == alone
+    assert lazy_copy_registered() == (0, 0)
+
+
+def test_a_refused_registration_falls_back_to_the_mapped_pages(qwen3_model, stream, monkeypatch):
+    """A device that refuses to pin the pages (a memlock limit, WSL, GGML_CUDA_NO_PINNED) leaves the
+    pool on the mapped pages with one warning that says so, and decodes exactly as before; asked to
+    leave them (pin="off"), it does not try. Either way the default path is inline, as for mapped
+    pages it was measured faster, unless stream is asked for (LLAMA_MOE_POOL_UPLOADS too)."""
+    ref = resident(qwen3_model, stream[:24], n_prompt=1)
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    monkeypatch.setenv("GGML_LAZY_COPY_REGISTER", "refuse")
+    ctx = Context(model, pool=pool(slots=4, uploads=None))
+    warnings = [l for l in ctx.init_log if "refused to pin the mapped experts" in l]
+    ctx.close()
+    refused, _, status, lines = decode(model, stream[:24], pool(slots=4, uploads=None), n_prompt=1)
+    monkeypatch.delenv("GGML_LAZY_COPY_REGISTER")
+    _, _, off, _ = decode(model, stream[:24], pool(slots=4, uploads=None, pin="off"), n_prompt=1)
+    monkeypatch.setenv("LLAMA_MOE_POOL_UPLOADS", "stream")
+    streamed, _, from_env, _ = decode(model, stream[:24], pool(slots=4, uploads=None, pin="off"), n_prompt=1)
+    model.close()
+    assert (status.experts, status.experts_reason, status.uploads) == ("mapped", "refused", "inline")
+    assert (off.experts, off.experts_reason, off.uploads) == ("mapped", "off", "inline")
+    assert from_env.uploads == "stream" and from_env.experts == "mapped"
+    assert len(warnings) == 1, warnings
+    assert any(" experts=mapped(refused) " in l for l in lines if l.startswith("expert pool status="))
+    assert identical(refused, ref) and identical(streamed, ref)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,8 +219,10 @@ def test_staging_smaller_than_a_step_waits_for_its_copies_and_stays_bit_identica
     path = make_model(n_embd=512, n_ff_exp=512)
     ref = resident(path, stream[:32], n_prompt=1)
     model = on_lazy(path, cpu_moe=True)
-    small, small_report, status, _ = decode(model, stream[:32], pool(slots=4, mode=mode, staging_mib=1), n_prompt=1)
-    _, roomy_report, _, _ = decode(model, stream[:32], pool(slots=4, mode=mode), n_prompt=1)
+    # the pages stay pageable (pin off): pinned ones would be copied without staging
+    small, small_report, status, _ = decode(model, stream[:32], pool(slots=4, mode=mode, staging_mib=1, pin="off"),
+                                            n_prompt=1)
+    _, roomy_report, _, _ = decode(model, stream[:32], pool(slots=4, mode=mode, pin="off"), n_prompt=1)
     model.close()
     assert status.uploads == "stream" and small_report.counters.uploads > 0
     assert identical(small, ref), f"{mode}: reused staging changed the logits"
@@ -231,3 +296,135 @@ def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, st
         assert verdict and re.search(r"on_ms_per_token=[\d.]+ off_ms_per_token=[\d.]+ verdicts=1", verdict), lines
         assert c.predicted > 0, "the steps timed with prefetching predicted nothing"
     assert identical(result, ref), f"{prefetch} {expert_type}: prefetched experts changed the logits"
+
+
+# --------------------------------------------------------------------------------------------
+# the device-side path: the device finds each step's misses and copies them from the host experts
+# it reads in place (GGML_OP_MOE_FETCH), so a decode step never waits for the host
+
+
+def counted_decode(model, stream, config, n_prompt: int = 1):
+    """A teacher-forced run that also counts the scheduler's host waits in each decode token."""
+    ctx = Context(model, pool=config)
+    ctx.decode(stream[:n_prompt])
+    logits, waits = [ctx.logits()], []
+    for tok in stream[n_prompt:]:
+        ctx.decode([tok])
+        waits.append(ctx.host_syncs())
+        logits.append(ctx.logits())
+    report = ctx.pool_report(per_pool=True)
+    status = ctx.pool_status()
+    lines = ctx.pool_lines()
+    ctx.close()
+    return logits, waits, report, status, lines
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_the_device_serves_every_step_bit_identically_with_one_host_wait(make_model, stream, mode, expert_type):
+    """Slots at top-k: every step evicts and fetches on the device. Either mode asked for, the device
+    serves the layers as copy mode does (it fetches every miss), the logits equal the all-resident
+    run's, and a decode token waits for the host once (the scheduler's copy of the token's inputs),
+    where the host's path waits in every pooled layer."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    logits, waits, report, status, lines = counted_decode(model, stream, on_device(slots=4, mode=mode, serve="device"))
+    _, host_waits, *_ = counted_decode(model, stream, pool(slots=4, mode=mode))
+    model.close()
+    c = report.counters
+    assert status.serve == "device" and status.serve_reason == "" and status.experts == "registered"
+    assert any(" serve=device" in l for l in lines if l.startswith("expert pool status=enabled"))
+    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
+        f"{mode} {expert_type}: the device's path changed the logits"
+    assert max(waits) <= 2 and sum(waits) / len(waits) < sum(host_waits) / len(host_waits), (waits, host_waits)
+    # the device's own counts, once per layer: every lookup a hit or a miss, every miss fetched
+    assert c.steps == len(stream) and c.lookups == c.hits + c.misses == SPEC.n_layer * SPEC.n_expert_used * c.steps
+    assert c.misses > 0 and c.evictions > 0 and c.uploads == c.misses
+    assert c.copy_bytes == sum(pc.copy_bytes for pc in report.pool_counters) > 0
+
+
+@pytest.mark.parametrize("expert_type,link_mb_s", [("F16", 0), ("Q4_0", 0), ("F16", 4)])
+def test_serve_auto_times_hybrid_against_the_device_and_hands_the_slots_over(make_model, stream, monkeypatch,
+                                                                              expert_type, link_mb_s):
+    """serve auto in hybrid mode: decode steps run hybrid's host path first, then the device's, in turns
+    as -mec auto's arbiter times them, and the side that wins serves. At each switch the slots change
+    hands with what they hold: the device is told which experts hybrid's copies left in them, hybrid's
+    policy adopts what the device's LRU left. A slot either side got wrong is a wrong result: every
+    step equals the all-resident run. The steps the device served wait for the host once, hybrid's in
+    every layer. Over a slow link (the lazy device's queue holds it for each byte it reads from host
+    memory) fetching every miss loses to the CPU computing them, and decode goes back to hybrid."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    monkeypatch.setenv("GGML_LAZY_COPY_LINK_MB_S", str(link_mb_s))
+    logits, waits, report, status, lines = counted_decode(model, stream, on_device(slots=4, mode="hybrid", serve="auto"))
+    model.close()
+    c = report.counters
+    assert status.serve == "auto" and status.mode == "hybrid", status
+    assert any(" serve=auto" in l for l in lines if l.startswith("expert pool status=enabled"))
+    verdict = next((l for l in lines if l.startswith("expert pool serve=auto side=")), None)
+    timed = verdict and re.search(r"side=(\w+) reason=(\w+)-(faster|not-slower) device_ms_per_token=([\d.]+) "
+                                  r"host_ms_per_token=([\d.]+) verdicts=1", verdict)
+    assert timed, lines
+    side, who, how, device_ms, host_ms = timed.groups()
+    # the reason names the side kept, and says whether its steps timed faster than the other's
+    assert who == side and (how == "faster") == (float(device_ms if side == "device" else host_ms) <
+                                                  float(host_ms if side == "device" else device_ms)), verdict
+    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
+        f"{expert_type}: handing the slots between the paths changed the logits"
+    # runs of steps by where they were served: hybrid's warm-up and sample, then the device's probe
+    served = [w <= 2 for w in waits]
+    runs = [k for i, k in enumerate(served) if i == 0 or k != served[i - 1]]
+    assert runs[:2] == [False, True], waits
+    if link_mb_s:
+        assert side == "host" and runs[:3] == [False, True, False], (verdict, waits)
+    assert c.hits + c.misses == c.lookups and c.uploads > 0 and c.device_experts > 0 and c.cpu_experts > 0, c
+    # each side's fills of empty slots are counted once, across the switches: a span counted twice
+    # would take evictions below the misses that found every slot taken (4 slots, top-k 4: most do)
+    assert 0 < c.evictions <= c.misses, c
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_device_serves_micro_batches_of_every_shape_bit_identically(qwen3_model, mode):
+    """Batches of 1 to 32 tokens fit the slots and are served on the device; 33 and 512 take the stock
+    path (the host computes or the scheduler offloads them, reading host experts), never evicting."""
+    tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
+    ref_model = on_lazy(qwen3_model)
+    ref, *_ = decode_in_batches(ref_model, None, tokens)
+    ref_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    got, before_big, c = decode_in_batches(model, on_device(slots=SPEC.n_expert, mode=mode), tokens)
+    model.close()
+    for n, a, b in zip(BATCH_SHAPES, ref, got):
+        assert np.array_equal(a, b), f"{mode}: the {n}-token batch changed the logits"
+    assert c.steps > 0 and c.misses > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_device_serves_two_sequences_in_one_batch_bit_identically(qwen3_model, stream, mode):
+    seqs = [stream[:36], stream[36:72]]
+    ref_model = on_lazy(qwen3_model)
+    ref, _ = decode_sequences(ref_model, None, seqs, n_prompt=4)
+    ref_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    got, counters = decode_sequences(model, on_device(slots=8, mode=mode), seqs, n_prompt=4)
+    model.close()
+    assert counters.steps > 0 and counters.evictions > 0
+    for r, g in zip(ref, got):
+        assert all(np.array_equal(a, b) for a, b in zip(r, g))
+
+
+def test_experts_the_device_cannot_read_in_place_are_served_by_the_host(qwen3_model, stream, monkeypatch):
+    """Refused registration leaves the experts in pageable pages, which a GPU cannot read in place: the
+    host serves those layers and the status says why; asked for the device's path, the pool warns.
+    The host serves a step of experts the CPU repacked too (they are read from the model file)."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    monkeypatch.setenv("GGML_LAZY_COPY_REGISTER", "refuse")
+    asked = Context(model, pool=on_device(slots=4, serve="device"))
+    warned = [l for l in asked.init_log if "serves none of its layers itself (not-pinned)" in l]
+    status = asked.pool_status()
+    asked.close()
+    model.close()
+    assert (status.serve, status.serve_reason, status.experts) == ("host", "not-pinned", "mapped")
+    assert len(warned) == 1, asked.init_log

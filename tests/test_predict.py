@@ -313,13 +313,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_command_prints_every_mode_per_slot_count(qwen3_model):
     result = run_cli(str(qwen3_model), "--profile", "rtx3090-pcie4", "-mec", "4,8")
     assert result.returncode == 0, result.stderr
-    for mode in ("stock", "copy", "hybrid", "merged-lru", "lrfu", "cpu-share", "auto"):
+    for mode in ("stock", "copy", "hybrid", "device", "merged-lru", "lrfu", "cpu-share", "auto"):
         assert mode in result.stdout
     out = json.loads(run_cli(str(qwen3_model), "-mec", "4,8", "--json").stdout)
     assert out["schema"] == "pyllamapool.predict/1"
-    assert [(r["mode"], r["slots"]) for r in out["rows"]][:4] == [("stock", 4), ("copy", 4), ("hybrid", 4),
-                                                                 ("merged-lru", 4)]
-    assert len(out["rows"]) == 13  # stock once, then copy, hybrid, merged-lru, lrfu, cpu-share and auto at each
+    assert [(r["mode"], r["slots"]) for r in out["rows"]][:5] == [("stock", 4), ("copy", 4), ("hybrid", 4),
+                                                                 ("device", 4), ("merged-lru", 4)]
+    # stock once, then copy, hybrid, the device's path, merged-lru, lrfu, cpu-share and auto at each
+    assert len(out["rows"]) == 15
 
 
 def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):
@@ -401,3 +402,21 @@ def test_predicted_auto_is_never_below_stock_and_close_to_the_faster_side_everyw
 
 def test_the_auto_page_shows_the_predicted_table_as_computed():
     assert P.auto_markdown() in (ROOT / "docs" / "auto.md").read_text()
+
+
+def test_the_devices_path_waits_once_a_token_and_needs_pinned_experts():
+    """The device-side path: LRU on the device, the misses read over the pinned link by a kernel, no
+    round trip per layer (one a token), two kernel launches a layer. At the same hit rate it beats copy
+    mode by copy's round trips and copy latencies; where the experts stay pageable the device cannot
+    read them in place and the host serves: copy mode's row."""
+    routing = P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=200)
+    for name, prof in P.PROFILES.items():
+        for slots in (16, 64):
+            rows = by_mode(P.predict(GEOMETRY, prof, routing, slots, modes=("copy", "device")))
+            device, copy = rows["device"], rows["copy"]
+            assert device.parts_ms["syncs"] == pytest.approx(prof.sync_us / 1000, abs=1e-3)  # parts are rounded
+            assert device.parts_ms["launches"] == pytest.approx(GEOMETRY.n_host_layers * P.FETCH_LAUNCH_US / 1000, abs=1e-3)
+            same_hits = P._tps_at_hit_rate(GEOMETRY, prof, "device", copy.hit_rate, True)
+            assert same_hits > P._tps_at_hit_rate(GEOMETRY, prof, "copy", copy.hit_rate, True), name
+            host = by_mode(P.predict(GEOMETRY, prof, routing, slots, modes=("copy", "device"), pinned=False))
+            assert host["device"].ms_per_token == host["copy"].ms_per_token and host["device"].setting
