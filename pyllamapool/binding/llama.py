@@ -182,6 +182,18 @@ def lazy_copy_device():
     return lib.ggml_backend_reg_dev_get(_lazy_reg[0], 0)
 
 
+def lazy_copy_devices(n: int) -> list:
+    """The first n lazy-copy test devices. The device reads how many it has (GGML_LAZY_COPY_DEVICES,
+    default 1) once, when the process first loads it."""
+    _, lib = backend()
+    lazy_copy_device()
+    have = int(lib.ggml_backend_reg_dev_count(_lazy_reg[0]))
+    if not 1 <= n <= have:
+        raise PyllamapoolError(f"{n} lazy-copy devices asked for, the device has {have} (set "
+                               "GGML_LAZY_COPY_DEVICES before it is first loaded in this process)")
+    return [lib.ggml_backend_reg_dev_get(_lazy_reg[0], i) for i in range(n)]
+
+
 def lazy_copy_registered() -> tuple[int, int]:
     """Host ranges registered with the lazy-copy test device (as CUDA pins mapped pages), and how many
     of them are no longer mapped: a caller must unregister a range before its pages go."""
@@ -258,12 +270,13 @@ def check_gguf(path: Path) -> None:
 
 class Model:
     """A loaded GGUF model. rpc: endpoints whose devices take the offloaded layers, in order;
-    lazy_copy: the lazy-copy test device takes them (before any RPC device)."""
+    lazy_copy: the lazy-copy test device takes them (before any RPC device); a number: that many
+    lazy-copy devices split them, as llama.cpp splits layers between GPUs."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, rpc: Sequence[str] = (),
                  n_cpu_moe: int = 0, cpu_moe: bool = False,
                  cpu_overrides: Sequence[str] = (), use_mmap: bool = True, repack: bool = True,
-                 no_alloc: bool = False, lazy_copy: bool = False):
+                 no_alloc: bool = False, lazy_copy: bool | int = False):
         ffi, lib = backend()
         self.path = Path(path)
         check_gguf(self.path)
@@ -280,7 +293,8 @@ class Model:
         # Always pass an explicit device list: RPC devices registered for an earlier model in this
         # process must not silently join this one. The build's own GPUs come after this model's RPC
         # devices, as in llama.cpp's default list.
-        devs = ([lazy_copy_device()] if lazy_copy else []) + [add_rpc_server(ep) for ep in rpc] + local_gpus()
+        devs = lazy_copy_devices(int(lazy_copy)) if lazy_copy else []
+        devs += [add_rpc_server(ep) for ep in rpc] + local_gpus()
         dev_array = ffi.new("ggml_backend_dev_t[]", [*devs, ffi.NULL])
         self._keep.append(dev_array)
         params.devices = dev_array
