@@ -30,6 +30,9 @@ def pytest_configure(config):
         from pyllamapool.binding import _ffi
         # test_sanitizers.py checks this line: the run really is on the sanitized libraries
         print(f"pyllamapool tests: libraries from {_ffi.locate().lib_dir}", file=sys.__stderr__, flush=True)
+    # two lazy-copy devices, for the tests that split a model between devices (the others take the
+    # first); the device reads this once, when it is first loaded
+    os.environ["GGML_LAZY_COPY_DEVICES"] = "2"
     cache = tempfile.mkdtemp(prefix="pyllamapool-tests-cache-")
     os.environ["XDG_CACHE_HOME"] = cache
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
