@@ -230,15 +230,27 @@ def test_staging_smaller_than_a_step_waits_for_its_copies_and_stays_bit_identica
 
 
 
+LAYOUTS = ["one queue", "transfer queue"]
+
+
+def queue_layout(layout: str, monkeypatch) -> None:
+    """The lazy device's backends made from here on have one queue, or send their async copies from
+    host memory to a transfer queue of their own (GGML_LAZY_COPY_TRANSFER_QUEUE, at the end of this file)."""
+    if layout == "transfer queue":
+        monkeypatch.setenv("GGML_LAZY_COPY_TRANSFER_QUEUE", "1")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("uploads", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
 def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, stream, tmp_path, mode, expert_type,
-                                                                   uploads):
+                                                                   uploads, layout, monkeypatch):
     """A context's warm start uploads a hot set file's experts while it is created. Here the file
     holds exactly what the first token selects, so that step uploads nothing and waits for no copy of
     its own: its matmuls (and, in hybrid mode, its slot table) must still find the bytes there,
     including experts read from the model file into staging where the CPU repacked the host copy."""
+    queue_layout(layout, monkeypatch)
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream, n_prompt=1)
     model = on_lazy(path, cpu_moe=True, repack=mode == "copy")
@@ -271,9 +283,11 @@ def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, s
         f"{mode} {expert_type} {uploads}: the warm start changed the logits"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("prefetch", ["auto", "on"])
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
-def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, stream, prefetch, expert_type):
+def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, stream, prefetch, expert_type, layout,
+                                                                  monkeypatch):
     """Prefetch: a hybrid layer's step uploads the next layer's predicted experts on the upload queue,
     into slots whose old experts the next layer's device table still points at. The next layer's step
     must point its table away from those victims and have the compute queue wait for the copies of
@@ -282,6 +296,7 @@ def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, st
     with and without prefetching on the stream path, and says which side it keeps once it has timed
     both; whichever it keeps, the steps of both were computed. The CPU keeps its plain kernels (no
     repacking), so that both sides compute as the resident run does."""
+    queue_layout(layout, monkeypatch)
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream)
     model = on_lazy(path, cpu_moe=True, repack=False)
@@ -443,7 +458,7 @@ def test_experts_the_device_cannot_read_in_place_are_served_by_the_host(qwen3_mo
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transfer_queue_of_its_own_keeps_heavy_eviction_bit_identical(qwen3_model, stream, mode, uploads,
                                                                        monkeypatch):
-    monkeypatch.setenv("GGML_LAZY_COPY_TRANSFER_QUEUE", "1")
+    queue_layout("transfer queue", monkeypatch)
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
     result, report, status, _ = decode(model, stream, pool(slots=4, mode=mode, uploads=uploads), n_prompt=1)
@@ -457,7 +472,7 @@ def test_a_transfer_queue_of_its_own_keeps_heavy_eviction_bit_identical(qwen3_mo
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transfer_queue_of_its_own_keeps_micro_batches_and_two_sequences_bit_identical(qwen3_model, stream, mode,
                                                                                         monkeypatch):
-    monkeypatch.setenv("GGML_LAZY_COPY_TRANSFER_QUEUE", "1")
+    queue_layout("transfer queue", monkeypatch)
     tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
     seqs = [stream[:36], stream[36:72]]
     ref_model = on_lazy(qwen3_model)
@@ -480,7 +495,7 @@ def test_a_transfer_queue_of_its_own_keeps_micro_batches_and_two_sequences_bit_i
 def test_a_transfer_queue_of_its_own_keeps_the_devices_path_bit_identical(qwen3_model, stream, mode, monkeypatch):
     """The device's own fetch copies nothing through the transfer queue in a step; its state's warm
     start and the counters' read-back still cross it."""
-    monkeypatch.setenv("GGML_LAZY_COPY_TRANSFER_QUEUE", "1")
+    queue_layout("transfer queue", monkeypatch)
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
     result, report, status, _ = decode(model, stream, on_device(slots=4, mode=mode, serve="device"), n_prompt=1)
@@ -498,12 +513,11 @@ def on_two_lazy(path, **args) -> Model:
     return Model(path, n_gpu_layers=99, lazy_copy=2, **args)
 
 
-@pytest.mark.parametrize("layout", ["one queue", "transfer queue"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("uploads", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 def test_two_devices_keep_heavy_eviction_bit_identical(qwen3_model, stream, mode, uploads, layout, monkeypatch):
-    if layout == "transfer queue":
-        monkeypatch.setenv("GGML_LAZY_COPY_TRANSFER_QUEUE", "1")
+    queue_layout(layout, monkeypatch)
     ref_model = on_two_lazy(qwen3_model)
     ref, *_ = decode(ref_model, stream, n_prompt=1)
     ref_model.close()
