@@ -283,6 +283,55 @@ def test_a_hot_set_warm_start_lands_before_the_first_step_reads_it(make_model, s
         f"{mode} {expert_type} {uploads}: the warm start changed the logits"
 
 
+def stepwise(model, stream, config, n_prompt: int):
+    """Teacher-forced, one token a step: the logits and the pool's counters after the prompt and each step."""
+    ctx = Context(model, pool=config)
+    ctx.decode(stream[:n_prompt])
+    logits, counters = [ctx.logits()], [ctx.pool_counters()]
+    for tok in stream[n_prompt:]:
+        ctx.decode([tok])
+        logits.append(ctx.logits())
+        counters.append(ctx.pool_counters())
+    ctx.close()
+    return logits, counters
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("uploads", PATHS)
+@pytest.mark.parametrize("slots", [SPEC.n_expert, 8])
+def test_a_fill_goes_beside_the_steps_and_never_before_the_first_token(qwen3_model, stream, slots, uploads, layout,
+                                                                       monkeypatch):
+    """The uploads no step asked for are a fill, a one-off that goes a few uploads a step beside the
+    steps' own admissions: with a slot for every expert (a card where everything fits, the H200's
+    24 GB case) the experts no step selected yet, which also serves the prompt; with fewer, the prompt's
+    most used experts (its batch is the stock path's), queued by the warm start. The prompt and the
+    first token after it upload only what they selected, the steps that carry a fill are counted (the
+    arbiters leave them untimed), and a pool for every expert ends with no step missing. Every step equals the all-resident run, on either queue layout."""
+    queue_layout(layout, monkeypatch)
+    n_prompt = 40  # beyond the pool's batches unless the pool holds every expert
+    resident_model = on_lazy(qwen3_model)
+    ref, _ = stepwise(resident_model, stream, None, n_prompt)
+    resident_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    logits, counters = stepwise(model, stream, pool(slots=slots, mode="hybrid", uploads=uploads), n_prompt)
+    model.close()
+    assert len(logits) == len(ref) and all(np.array_equal(a, b) for a, b in zip(logits, ref)), \
+        f"{slots} slots, {uploads}, {layout}: the fill changed the logits"
+    keys = ("steps", "uploads", "misses", "cpu_experts", "fill_steps")
+    step = [{k: getattr(c, k) for k in keys} for c in counters[:1]]
+    step += [{k: getattr(b, k) - getattr(a, k) for k in keys} for a, b in zip(counters, counters[1:])]
+    assert step[0]["steps"] == (1 if slots == SPEC.n_expert else 0), step[0]  # the prompt
+    assert all(d["uploads"] <= d["misses"] for d in step[:2]), step[:2]
+    # the steps that carried fill uploads, beside their own admissions: none before the first token
+    # has been timed
+    fills = [i for i, d in enumerate(step) if d["fill_steps"]]
+    assert len(fills) >= 2 and fills[0] >= 2 and counters[-1].fill_steps == len(fills), step
+    assert any(d["uploads"] > d["misses"] for d in step if d["fill_steps"]), step
+    if slots == SPEC.n_expert:
+        # filled: the last steps find every expert on the device
+        assert fills[-1] < len(step) - 4 and all(d["misses"] == 0 and d["cpu_experts"] == 0 for d in step[-4:]), step
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("prefetch", ["auto", "on"])
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
@@ -545,3 +594,28 @@ def test_two_devices_keep_two_sequences_and_the_devices_path_bit_identical(qwen3
     for r, g in zip(ref_seqs, got_seqs):
         assert all(np.array_equal(a, b) for a, b in zip(r, g)), f"{mode}: two sequences changed on two devices"
     assert identical(served, ref), f"{mode}: the device's path changed the logits on two devices"
+
+
+def test_the_auto_benchmark_reports_cold_and_warm_halves_over_a_slow_link(tmp_path):
+    """benchmarks/auto.py's short mode on the lazy device behind an emulated slow link: every design
+    runs on one token stream, each row has its cold and warm half, the pooled runs are bit-identical
+    to stock, and auto's rows say how many steps it left to the stock path."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "auto.json"
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "auto.py"), "--device", "lazy", "--short",
+                             "--link-mb-s", "50", "--json", str(out)], capture_output=True, text=True, timeout=900,
+                            cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["design"] for r in rows] == ["stock", "copy", "hybrid", "auto", "auto (-mec auto)"]
+    assert all(r["parity"] and r["cold"] > 0 and r["warm"] > 0 for r in rows), rows
+    assert all(0.0 <= r["stock_share"] <= 1.0 for r in rows if r["design"].startswith("auto"))
+    assert "| cold half t/s | warm half t/s |" in result.stdout
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "auto.py"), "--device", "rpc", "--link-mb-s", "50"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "--link-mb-s 50: expected a rate > 0 with --device lazy" in bad.stderr

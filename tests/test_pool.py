@@ -1233,20 +1233,25 @@ def test_hybrid_with_fused_gate_up_experts_is_bit_identical(archs_model, rpc_ser
 
 def test_hybrid_warm_starts_from_the_experts_the_prompt_selected(qwen3_model, rpc_server, stream):
     """Prefill runs the stock path; hybrid mode notes the prompt's experts over all its micro-batches
-    and uploads the most used ones before the first decode token, so that token already finds
-    experts on the device."""
+    and queues the most used ones for the fill, which uploads them a few at a time, so the first
+    decode token does not wait for them: that token's uploads are what its own step selected (which
+    go up as its admissions do), and the tokens after it find the prompt's experts on the device."""
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], cpu_moe=True)
     ctx = Context(model, n_batch=72, n_ubatch=36, pool=PoolConfig(slots=6, device_mib=65536, mode="hybrid"))
     ctx.decode(stream[:72])  # two micro-batches of 36 tokens, beyond the pool's batches: the stock path
     after_prefill = ctx.pool_counters()
     ctx.decode([stream[0]])
     first = ctx.pool_counters()
+    for t in stream[1:9]:
+        ctx.decode([t])
+    later = ctx.pool_counters()
     ctx.close()
     model.close()
     assert after_prefill.bypassed_steps == 2 and after_prefill.lookups == 0
     assert after_prefill.uploads == 0  # nothing yet: the prompt's last micro-batch counts too
-    assert first.uploads > 0  # the warm start, before the first decode token
-    assert first.steps == 1 and first.device_experts > 0  # the first decode token hits
+    assert first.steps == 1 and first.hits == 0  # nothing was uploaded before the first token
+    assert 0 < first.uploads <= first.misses  # its own selections, no fill beyond them
+    assert later.hits > 0 and later.uploads > first.uploads
 
 
 def test_counters_read_from_another_thread_while_decoding_are_whole_steps(qwen3_model, rpc_server, stream):

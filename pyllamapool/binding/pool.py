@@ -484,6 +484,9 @@ class PoolCounters:
     prefetched: int = 0
     prefetch_hits: int = 0
     prefetch_wasted_bytes: int = 0
+    #: hybrid mode: steps the pool served that carried a fill's uploads (a pool holding every expert
+    #: taking the ones no step asked for, a warm start); -mec auto does not time them
+    fill_steps: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -583,7 +586,7 @@ def _counters_from_c(c) -> PoolCounters:
                         c.syncs, c.tokens, tuple(c.batch_lookups), tuple(c.batch_hits), c.prefill_device_bytes,
                         c.prefill_host_bytes, c.block_us, c.uploads_in_flight, c.stood_down_steps,
                         c.stand_downs, c.placed, c.predicted, c.predicted_used, c.predicted_lookups,
-                        c.prefetched, c.prefetch_hits, c.prefetch_wasted_bytes)
+                        c.prefetched, c.prefetch_hits, c.prefetch_wasted_bytes, c.fill_steps)
 
 
 def status(ctx_handle, device: int = -1) -> PoolStatus:
