@@ -381,25 +381,66 @@ def test_tune_recommends_a_setting_whose_command_line_starts_the_server_with_it(
         assert f"actual_slots={best['slots']}" in status
 
 
-def test_without_mec_the_server_says_the_pool_is_one_flag_away_and_mec_auto_keeps_its_tokens(qwen3_model, rpc_server,
-                                                                                             monkeypatch):
-    """Routed experts in host memory (--cpu-moe) on an accelerator and no -mec: the pool stays off
-    (it is not the default until the GPU check measures -mec auto at or above stock on real cards)
-    and one line says so. -mec auto sizes the pool itself and times decode with and without it; its
-    tokens are the stock run's. -mec 0 says nothing."""
+def test_with_host_experts_and_no_mec_the_server_runs_mec_auto_and_mec_0_turns_it_off(qwen3_model, rpc_server,
+                                                                                      monkeypatch):
+    """Routed experts in host memory (--cpu-moe) on an accelerator and no -mec: the tools run -mec auto,
+    which sizes the pool itself and times decode with and without it. The status line says the size is
+    the default's, and the tokens are the stock run's. -mec 0 turns the pool off and says nothing; so
+    does a run whose experts all sit on the device, where the default has nothing to pool."""
     monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
     args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe"]
-    with llama_server(qwen3_model, *args) as (port, lines):
-        reference = complete(port, PROMPTS[0], 40)
-    hint = [l for l in lines if "expert pool status=" in l]
-    assert len(hint) == 1 and "status=disabled reason=off" in hint[0] and "hint=-mec-auto" in hint[0]
-    assert int(re.search(r"host_expert_layers=(\d+)", hint[0]).group(1)) > 0
-    with llama_server(qwen3_model, *args, "-mec", "auto") as (port, lines):
-        auto = complete(port, PROMPTS[0], 40)
-    status = next(l for l in lines if "expert pool status=" in l)
-    assert "status=enabled" in status and "gate=auto" in status and "requested_slots=-1" in status
-    assert any(re.search(r"expert pool auto=(pool|stock) reason=", l) for l in lines)
-    assert auto["content"] == reference["content"] and logprobs(auto) == logprobs(reference)
     with llama_server(qwen3_model, *args, "-mec", "0") as (port, lines):
+        reference = complete(port, PROMPTS[0], 40)
+    assert not any("expert pool" in l for l in lines)
+    with llama_server(qwen3_model, *args) as (port, lines):
+        default = complete(port, PROMPTS[0], 40)
+    status = next(l for l in lines if "expert pool status=" in l)
+    assert "status=enabled" in status and "gate=auto" in status and "requested_slots=-1 size=default" in status
+    assert any(re.search(r"expert pool auto=(pool|stock) reason=", l) for l in lines)
+    assert default["content"] == reference["content"] and logprobs(default) == logprobs(reference)
+    with llama_server(qwen3_model, *args, "-mec", "auto") as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+    assert "requested_slots=-1 size=auto" in next(l for l in lines if "expert pool status=" in l)
+    with llama_server(qwen3_model, "--rpc", rpc_server.endpoint, "-ngl", "99") as (port, lines):
         assert complete(port, PROMPTS[0], 4)["content"]
     assert not any("expert pool" in l for l in lines)
+
+
+def _metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            # the pool's counts are whole numbers, printed in full (not as 1.23457e+06)
+            assert not name.startswith("llamacpp:moe_pool_") or name.endswith("seconds_total") or value.isdigit(), line
+            values[name] = float(value)
+    return values
+
+
+def test_the_server_s_metrics_carry_the_pool_s_status_and_counters(qwen3_model, rpc_server, monkeypatch):
+    """With --metrics, /metrics has the pool's status and counters beside the server's own, so a user
+    sees what the cache does without -lv 4: they count the decode tokens of a request, hits and misses
+    add up to the lookups, and an info series carries the status line's settings. Without a pool there
+    are none."""
+    monkeypatch.setenv("LLAMA_MOE_POOL_DEVICE_MIB", "65536")
+    args = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--cpu-moe", "--metrics"]
+    with llama_server(qwen3_model, *args, "-mec", "6", "--moe-pool-mode", "copy") as (port, lines):
+        before = _metrics(port)
+        result = complete(port, PROMPTS[0], 16)
+        after = _metrics(port)
+    assert before["llamacpp:moe_pool_enabled"] == 1 and before["llamacpp:moe_pool_lookups_total"] == 0
+    assert after["llamacpp:moe_pool_slots"] > 0 and after["llamacpp:moe_pool_bytes"] > 0
+    lookups, hits, misses = (after[f"llamacpp:moe_pool_{k}_total"] for k in ("lookups", "hits", "misses"))
+    assert lookups > 0 and hits + misses == lookups and misses > 0
+    assert after["llamacpp:moe_pool_uploads_total"] == misses  # copy mode uploads every miss
+    assert after["llamacpp:moe_pool_uploaded_bytes_total"] > 0
+    # decode tokens after the first (which the prompt's batch computes) are the pool's steps
+    assert after["llamacpp:moe_pool_tokens_total"] == result["tokens_predicted"] - 1
+    assert after["llamacpp:moe_pool_stood_down_steps_total"] == 0
+    info = [k for k in after if k.startswith("llamacpp:moe_pool_info{")]
+    assert len(info) == 1 and 'mode="copy"' in info[0] and 'reason="admitted"' in info[0]
+    with llama_server(qwen3_model, *args, "-mec", "0") as (port, lines):
+        assert complete(port, PROMPTS[0], 4)["content"]
+        assert not any("moe_pool" in k for k in _metrics(port))
