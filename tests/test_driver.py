@@ -621,3 +621,13 @@ def test_check_patches_measures_each_function_a_new_source_file_defines():
         ("size", 6, 1), ("count", 10, 10), ("pool::pool", 20, 2), ("pool::operator=", 22, 3)]
     assert longest_function(text).name == "count"
     assert longest_function("int x;\n") is None
+
+
+def test_the_readme_stays_short_and_its_table_links_every_docs_page():
+    """The README is the front page (under 150 lines); the rest lives in docs/, every page of which
+    its documentation table links."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 150
+    table = readme[readme.index("## Documentation"):]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in table, page.name
