@@ -367,6 +367,36 @@ def test_the_policy_lab_page_shows_hybrid_admission_against_copy_on_miss_as_comp
         assert hybrid_mib <= copy_mib and cpu > 0
 
 
+def test_a_bank_over_one_layer_is_that_layers_pool_and_a_bank_for_every_expert_only_misses_cold():
+    """policies.bank runs the product's policy over (layer, expert): with one layer it is that layer's
+    pool, step for step; with a slot for every entry of every layer only first uses miss; it never
+    evicts an entry the current step of its layer reads, so a step of top-k always fits top-k slots."""
+    from pyllamapool.lab.policies import adaptive, bank, recency
+
+    trace = generate("glm-chat-shift", seed=1, n_tokens=300)
+    layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+    n_expert = PRESETS["glm-chat-shift"].n_expert
+    assert bank(layers[:1], 24) == adaptive(layers[0], 24, n_expert)
+    assert bank(layers[:1], 24, "lru") == recency(layers[0], 24, n_expert)
+    full = bank(layers, len(layers) * n_expert)
+    distinct = sum(len({e for step in steps for e in step}) for steps in layers)
+    assert full.misses == full.uploads == distinct and full.evictions == 0
+    top_k = PRESETS["glm-chat-shift"].top_k
+    tight = bank(layers, top_k)  # one layer's step at a time must fit: it evicts the others' entries
+    assert tight.lookups == sum(len(set(step)) for steps in layers for step in steps) and tight.evictions > 0
+    with pytest.raises(ValueError, match="accepted are 'adaptive' and 'lru'"):
+        bank(layers, 64, "lfu")
+
+
+def test_the_policy_lab_page_shows_the_bank_beside_per_layer_pools_and_lrfu_as_computed():
+    table = bench.bank_table()
+    assert table in (ROOT / "docs" / "policy-lab.md").read_text()
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        per_layer, shared, upstream = (float(c) for c in cells[2:5])
+        assert shared > 0 and per_layer > 0 and upstream > 0
+
+
 def test_the_policy_lab_page_sets_every_mode_side_by_side_as_the_benchmark_computed():
     """docs/policy-lab.md's side-by-side table is the committed benchmark JSON's, that JSON is what the
     lab computes (one preset and slot count recomputed here; the whole run takes a minute), and what

@@ -235,6 +235,30 @@ def hybrid_table(seed: int = 0, fraction: float = 0.25, upload_per_step: float =
     return "\n".join(lines) + "\n"
 
 
+def bank_table(seed: int = 0, fractions: tuple[float, ...] = (0.125, 0.25, 0.5)) -> str:
+    """Copy-on-miss at equal memory, three ways (Markdown): a pool per layer (the product's adaptive
+    policy), one bank shared by the layers (the same policy over (layer, expert)), and llama.cpp's
+    LRFU bank; MiB uploaded per token over the preset's layers, and the bank's bytes as a share of
+    the per-layer pools' and of LRFU's."""
+    from .policies import adaptive, bank, layer_steps, lrfu
+
+    lines = ["| preset | slots per layer | per-layer pools: MiB up / token | bank: MiB up / token | "
+             "LRFU bank: MiB up / token | bank / per-layer | bank / LRFU |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, preset in PRESETS.items():
+        trace = generate(name, seed=seed)
+        layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+        mib = preset.bytes_per_slot / 2**20 / trace.n_tokens
+        for slots in slot_counts(preset, fractions):
+            per_layer = sum(adaptive(steps, slots, preset.n_expert).uploads for steps in layers)
+            shared = bank(layers, slots * len(layers)).uploads
+            upstream = lrfu(layers, slots * len(layers)).uploads
+            lines.append(f"| {name} | {slots} | {per_layer * mib:.1f} | {shared * mib:.1f} | {upstream * mib:.1f} | "
+                         f"{shared / per_layer if per_layer else 1.0:.2f} | "
+                         f"{shared / upstream if upstream else 1.0:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 #: the machine the modes table prices placement and prefetch on: an RTX 3090 on PCIe 4.0 running a
 #: model with the anchors' shape (48 host-expert layers, ~20 ms of the device's own work per token, as
 #: the multi-GPU fork reports); routing, experts, top-k and expert bytes are the preset's

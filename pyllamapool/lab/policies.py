@@ -251,6 +251,22 @@ def global_lru(layers: Sequence[Steps], n_slots_total: int) -> PolicyStats:
                n_slots_total)
 
 
+def bank(layers: Sequence[Steps], n_slots_total: int, policy: str = "adaptive") -> PolicyStats:
+    """One slot bank shared by every layer of a device: the product's policy over (layer, expert)
+    entries, fed each layer's step in turn within a token, so a slot belongs to no layer and the
+    memory goes to the layers whose routing is less local. A victim is never an expert the current
+    step of its layer reads (the policy's rule for a step's own experts). `policy` is the product's
+    default, "adaptive" (its use counts age over the bank's lookups and slots, the same cadence per
+    token as a layer's), or "lru"."""
+    if policy not in ("adaptive", "lru"):
+        raise ValueError(f"policy {policy!r}: accepted are 'adaptive' and 'lru'")
+    n_tokens = min(len(steps) for steps in layers) if layers else 0
+    width = 1 + max((e for steps in layers for step in steps for e in step), default=0)
+    flat = [[li * width + e for e in steps[t]] for t in range(n_tokens) for li, steps in enumerate(layers)]
+    run = adaptive if policy == "adaptive" else recency
+    return run(flat, n_slots_total, len(layers) * width)
+
+
 @dataclass
 class SharedCacheStats(PolicyStats):
     """A cache shared by every layer of a device: `cpu` counts misses the CPU computed (not uploaded)."""
