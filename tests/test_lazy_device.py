@@ -333,6 +333,33 @@ def test_a_fill_goes_beside_the_steps_and_never_before_the_first_token(qwen3_mod
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_auto_probes_the_pool_within_the_upload_budget_behind_a_slow_link(qwen3_model, stream, layout, monkeypatch):
+    """-mec auto times the stock path first, so when it first probes the pool no pooled decode step
+    has been timed. Its first pooled steps take the upload budget from the stock path's token time and
+    the upload queue's calibrated rate instead of uploading every admission at once: behind a 1 MB/s
+    link a top-k's worth of uploads costs many stock tokens, where the budget holds a pooled step to
+    at most one upload a layer. Every step equals the all-resident run."""
+    queue_layout(layout, monkeypatch)
+    n_prompt = 8
+    resident_model = on_lazy(qwen3_model)
+    ref, _ = stepwise(resident_model, stream, None, n_prompt)
+    resident_model.close()
+    monkeypatch.setenv("GGML_LAZY_COPY_LINK_MB_S", "1")
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    logits, counters = stepwise(model, stream, pool(slots=4, mode="hybrid", gate="auto"), n_prompt)
+    model.close()
+    assert len(logits) == len(ref) and all(np.array_equal(a, b) for a, b in zip(logits, ref)), \
+        f"{layout}: the probe changed the logits"
+    keys = ("steps", "uploads", "stood_down_steps", "misses")
+    step = [{k: getattr(b, k) - getattr(a, k) for k in keys} for a, b in zip(counters, counters[1:])]
+    pooled = [i for i, d in enumerate(step) if d["steps"] and not d["stood_down_steps"]]
+    # stock's sample first, then the pool's probe, whose steps miss more than the budget uploads
+    assert pooled and pooled[0] > 0 and all(d["stood_down_steps"] for d in step[:pooled[0]]), step
+    assert sum(step[i]["misses"] for i in pooled) > SPEC.n_layer, step
+    assert all(step[i]["uploads"] <= SPEC.n_layer for i in pooled), [step[i] for i in pooled]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("prefetch", ["auto", "on"])
 @pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
 def test_prefetched_experts_are_read_only_after_their_copies_land(make_model, stream, prefetch, expert_type, layout,
@@ -417,7 +444,9 @@ def test_serve_auto_times_hybrid_against_the_device_and_hands_the_slots_over(mak
     policy adopts what the device's LRU left. A slot either side got wrong is a wrong result: every
     step equals the all-resident run. The steps the device served wait for the host once, hybrid's in
     every layer. Over a slow link (the lazy device's queue holds it for each byte it reads from host
-    memory) fetching every miss loses to the CPU computing them, and decode goes back to hybrid."""
+    memory) fetching every miss costs many of hybrid's steps: hybrid's misses at the upload queue's
+    calibrated rate price the device's steps beyond any chance, so the device is never probed and
+    every step stays hybrid's."""
     path = user_type_model(make_model, expert_type)
     ref = resident(path, stream, n_prompt=1)
     model = on_lazy(path, cpu_moe=True, repack=False)
@@ -427,6 +456,15 @@ def test_serve_auto_times_hybrid_against_the_device_and_hands_the_slots_over(mak
     c = report.counters
     assert status.serve == "auto" and status.mode == "hybrid", status
     assert any(" serve=auto" in l for l in lines if l.startswith("expert pool status=enabled"))
+    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
+        f"{expert_type}: handing the slots between the paths changed the logits"
+    if link_mb_s:
+        priced = [l for l in lines if l.startswith("expert pool serve=auto side=host reason=device-priced-out")]
+        floor = priced and re.search(r"device_floor_ms_per_token=([\d.]+) host_ms_per_token=([\d.]+)", priced[0])
+        assert floor and float(floor[1]) > 4 * float(floor[2]), lines
+        assert not any(l.startswith("expert pool serve=auto side=device") for l in lines), lines
+        assert all(w > 2 for w in waits[1:]) and c.device_experts == c.hits and c.cpu_experts > 0, (waits, c)
+        return
     verdict = next((l for l in lines if l.startswith("expert pool serve=auto side=")), None)
     timed = verdict and re.search(r"side=(\w+) reason=(\w+)-(faster|not-slower) device_ms_per_token=([\d.]+) "
                                   r"host_ms_per_token=([\d.]+) verdicts=1", verdict)
@@ -435,14 +473,10 @@ def test_serve_auto_times_hybrid_against_the_device_and_hands_the_slots_over(mak
     # the reason names the side kept, and says whether its steps timed faster than the other's
     assert who == side and (how == "faster") == (float(device_ms if side == "device" else host_ms) <
                                                   float(host_ms if side == "device" else device_ms)), verdict
-    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)), \
-        f"{expert_type}: handing the slots between the paths changed the logits"
     # runs of steps by where they were served: hybrid's warm-up and sample, then the device's probe
     served = [w <= 2 for w in waits]
     runs = [k for i, k in enumerate(served) if i == 0 or k != served[i - 1]]
     assert runs[:2] == [False, True], waits
-    if link_mb_s:
-        assert side == "host" and runs[:3] == [False, True, False], (verdict, waits)
     assert c.hits + c.misses == c.lookups and c.uploads > 0 and c.device_experts > 0 and c.cpu_experts > 0, c
     # each side's fills of empty slots are counted once, across the switches: a span counted twice
     # would take evictions below the misses that found every slot taken (4 slots, top-k 4: most do).
