@@ -9,7 +9,7 @@ import numpy as np
 from ..binding.pool import DEFAULT_POLICY, Policy
 from ..run.trace import Trace
 from .policies import POLICIES, PolicyStats, layer_steps
-from .synth import PRESETS, Preset, generate
+from .synth import LAYERED_PRESETS, PRESETS, Preset, generate
 
 #: the product's slot policies (the C++ in the patch series): (policy, admission gate)
 PRODUCT_POLICIES = {"product-adaptive": ("adaptive", False), "product-lru": ("lru", False),
@@ -236,26 +236,75 @@ def hybrid_table(seed: int = 0, fraction: float = 0.25, upload_per_step: float =
 
 
 def bank_table(seed: int = 0, fractions: tuple[float, ...] = (0.125, 0.25, 0.5)) -> str:
-    """Copy-on-miss at equal memory, three ways (Markdown): a pool per layer (the product's adaptive
-    policy), one bank shared by the layers (the same policy over (layer, expert)), and llama.cpp's
-    LRFU bank; MiB uploaded per token over the preset's layers, and the bank's bytes as a share of
-    the per-layer pools' and of LRFU's."""
-    from .policies import adaptive, bank, layer_steps, lrfu
+    """Copy-on-miss at equal memory, four ways (Markdown): a pool per layer (the product's adaptive
+    policy), one bank shared by the layers (the same policy over (layer, expert)), llama.cpp's cache
+    at the pin (one LRU bank, what the GPU check measures) and after it (an LRFU bank); MiB uploaded
+    per token over the preset's layers, and the bank's bytes as a share of each other design's. Every
+    preset, the layered ones included."""
+    from .policies import adaptive, bank, global_lru, layer_steps, lrfu
 
     lines = ["| preset | slots per layer | per-layer pools: MiB up / token | bank: MiB up / token | "
-             "LRFU bank: MiB up / token | bank / per-layer | bank / LRFU |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, preset in PRESETS.items():
+             "LRU bank (the pin): MiB up / token | LRFU bank (later): MiB up / token | bank / per-layer | "
+             "bank / LRU bank | bank / LRFU bank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, preset in {**PRESETS, **LAYERED_PRESETS}.items():
         trace = generate(name, seed=seed)
         layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
         mib = preset.bytes_per_slot / 2**20 / trace.n_tokens
         for slots in slot_counts(preset, fractions):
+            total = slots * len(layers)
             per_layer = sum(adaptive(steps, slots, preset.n_expert).uploads for steps in layers)
-            shared = bank(layers, slots * len(layers)).uploads
-            upstream = lrfu(layers, slots * len(layers)).uploads
-            lines.append(f"| {name} | {slots} | {per_layer * mib:.1f} | {shared * mib:.1f} | {upstream * mib:.1f} | "
-                         f"{shared / per_layer if per_layer else 1.0:.2f} | "
-                         f"{shared / upstream if upstream else 1.0:.2f} |")
+            shared = bank(layers, total).uploads
+            at_pin = global_lru(layers, total).uploads
+            later = lrfu(layers, total).uploads
+            ratios = " | ".join(f"{shared / other if other else 1.0:.2f}" for other in (per_layer, at_pin, later))
+            lines.append(f"| {name} | {slots} | {per_layer * mib:.1f} | {shared * mib:.1f} | {at_pin * mib:.1f} | "
+                         f"{later * mib:.1f} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class BankCalibration:
+    """One measured point of a layered preset beside the lab's replay of its synthetic routing."""
+    preset: str
+    slots: int
+    measured_per_layer: float   # hit rate of the pool's per-layer pools on the GPU
+    synthetic_per_layer: float  # ... of the product's policy per layer on the preset
+    measured_bank: float        # hit rate of llama.cpp's LRU bank on the GPU
+    synthetic_bank: float       # ... of an LRU bank (llama.cpp's at the pin) on the preset
+
+    def miss_ratio(self, measured: bool) -> float:
+        """The bank's misses as a share of the per-layer pools'."""
+        bank, per_layer = ((self.measured_bank, self.measured_per_layer) if measured
+                           else (self.synthetic_bank, self.synthetic_per_layer))
+        return (1.0 - bank) / (1.0 - per_layer)
+
+
+def bank_calibration(seed: int = 0) -> list[BankCalibration]:
+    """Each layered preset's measured points against what the lab replays on its routing."""
+    from .policies import adaptive, global_lru, layer_steps
+
+    out = []
+    for name, preset in LAYERED_PRESETS.items():
+        trace = generate(name, seed=seed)
+        layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+        for slots, per_layer, shared in preset.measured:
+            pools = [adaptive(steps, slots, preset.n_expert) for steps in layers]
+            lru_bank = global_lru(layers, slots * len(layers))
+            out.append(BankCalibration(name, slots, per_layer, sum(p.hits for p in pools) / sum(p.lookups for p in pools),
+                                       shared, lru_bank.hits / lru_bank.lookups))
+    return out
+
+
+def bank_calibration_table(seed: int = 0) -> str:
+    """bank_calibration() as docs/policy-lab.md shows it (Markdown)."""
+    lines = ["| slots per layer | per-layer pools: H200 / lab | LRU bank: H200 / lab | "
+             "bank's misses / per-layer's: H200 / lab |",
+             "| ---: | ---: | ---: | ---: |"]
+    for c in bank_calibration(seed):
+        lines.append(f"| {c.slots} | {c.measured_per_layer:.1%} / {c.synthetic_per_layer:.1%} | "
+                     f"{c.measured_bank:.1%} / {c.synthetic_bank:.1%} | "
+                     f"{c.miss_ratio(True):.2f} / {c.miss_ratio(False):.2f} |")
     return "\n".join(lines) + "\n"
 
 
