@@ -6,6 +6,9 @@ that is from Belady's offline optimum. Machine-independent: it counts bytes, it 
     python benchmarks/policy.py --json          # rows: preset, slots, policy, hit_rate,
                                                 #       copy_bytes_per_token, vs_opt, vs_lru, ...
     python benchmarks/policy.py --readme        # docs/policy-lab.md's tables, regenerated
+    python benchmarks/policy.py --bank          # docs/policy-lab.md's bank tables: a pool per layer, one
+                                                # bank over every layer, llama.cpp's LRU and LRFU banks
+    python benchmarks/policy.py --bank a.npz    # the same four on routing recorded by `pyllamapool trace`
     python benchmarks/policy.py --modes results/modes-rtx3090.json
                                                 # every mode side by side (ours, upstream's, OPT): MiB
                                                 # uploaded and CPU experts per token, priced on an RTX 3090
@@ -41,7 +44,18 @@ def main() -> int:
     parser.add_argument("--modes", type=Path, metavar="JSON",
                         help="every mode side by side on every preset and slot fraction (bench.modes_rows): "
                              "write the rows here and print docs/policy-lab.md's table")
+    parser.add_argument("--bank", nargs="*", type=Path, metavar="TRACE",
+                        help="the bank tables: every preset (no TRACE) or these recorded traces (.npz)")
     args = parser.parse_args()
+    if args.bank is not None:
+        from pyllamapool.run.trace import Trace
+        fractions = tuple(float(f) for f in args.fractions.split(","))
+        if args.bank:
+            print(bench.bank_trace_table({path.name: Trace.load(path) for path in args.bank}, fractions))
+        else:
+            print(bench.bank_table(args.seed, fractions))
+            print(bench.bank_calibration_table(args.seed))
+        return 0
     if args.readme:
         for table in bench.readme_tables():
             print(table)

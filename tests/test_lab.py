@@ -460,3 +460,34 @@ def test_the_policy_lab_page_sets_every_mode_side_by_side_as_the_benchmark_compu
         assert c["opt"].upload_mib_per_token <= c["copy"].upload_mib_per_token, key
     lrfu_more = [key for key, c in cells.items() if c["lrfu"].upload_mib_per_token > c["copy"].upload_mib_per_token]
     assert len(lrfu_more) == len(cells) - 1
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "lru"])
+def test_the_products_policy_runs_a_bank_as_the_lab_rederives_it(policy):
+    """replay_bank steps the pool's own C++ policy over (layer, expert) entries, each layer in turn
+    within a token: its counters are the lab's bank's, miss for miss, and each layer's share adds up."""
+    from pyllamapool.lab.policies import bank
+    from pyllamapool.lab.replay import replay_bank
+
+    trace = generate("glm-chat-shift", seed=1, n_layer=3, n_tokens=320)
+    layers = [layer_steps(trace.ids, i) for i in range(3)]
+    total = 3 * 36
+    product = replay_bank(trace, total, policy)
+    lab = bank(layers, total, policy)
+    c = product.counters
+    assert (c.lookups, c.hits, c.misses, c.evictions) == (lab.lookups, lab.hits, lab.misses, lab.evictions)
+    assert sum(p.misses for p in product.per_layer.values()) == c.misses
+    assert sum(p.lookups for p in product.per_layer.values()) == c.lookups
+    assert c.evictions > 0
+
+
+def test_the_policy_benchmark_replays_a_recorded_trace_through_every_bank(tmp_path):
+    """`benchmarks/policy.py --bank TRACE.npz` prints the bank table's rows for routing from a file."""
+    trace = generate("qwen3-30b-a3b", seed=2, n_layer=3, n_tokens=200)
+    path = trace.save(tmp_path / "routing.npz")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy.py"), "--bank", str(path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    loaded = Trace.load(path)
+    expected = bench.bank_rows(path.name, loaded, [16, 32, 64])
+    assert [line for line in result.stdout.splitlines() if line.startswith(f"| {path.name} |")] == expected

@@ -235,31 +235,51 @@ def hybrid_table(seed: int = 0, fraction: float = 0.25, upload_per_step: float =
     return "\n".join(lines) + "\n"
 
 
-def bank_table(seed: int = 0, fractions: tuple[float, ...] = (0.125, 0.25, 0.5)) -> str:
-    """Copy-on-miss at equal memory, four ways (Markdown): a pool per layer (the product's adaptive
-    policy), one bank shared by the layers (the same policy over (layer, expert)), llama.cpp's cache
-    at the pin (one LRU bank, what the GPU check measures) and after it (an LRFU bank); MiB uploaded
-    per token over the preset's layers, and the bank's bytes as a share of each other design's. Every
-    preset, the layered ones included."""
-    from .policies import adaptive, bank, global_lru, layer_steps, lrfu
+BANK_HEADER = ("| {what} | slots per layer | per-layer pools: MiB up / token | bank: MiB up / token | "
+               "LRU bank (the pin): MiB up / token | LRFU bank (later): MiB up / token | bank / per-layer | "
+               "bank / LRU bank | bank / LRFU bank |\n"
+               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
-    lines = ["| preset | slots per layer | per-layer pools: MiB up / token | bank: MiB up / token | "
-             "LRU bank (the pin): MiB up / token | LRFU bank (later): MiB up / token | bank / per-layer | "
-             "bank / LRU bank | bank / LRFU bank |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+def bank_rows(name: str, trace, slot_counts_: list[int]) -> list[str]:
+    """A trace's rows of the bank table (Markdown), one per slot count: copy-on-miss at equal memory
+    in a pool per layer (the product's adaptive policy), one bank shared by the layers (the same
+    policy over (layer, expert)), llama.cpp's cache at the pin (one LRU bank, what the GPU check
+    measures) and after it (an LRFU bank). An upload is the mean of the layers' expert bytes."""
+    from .policies import adaptive, bank, global_lru, layer_steps, lrfu
+    from .replay import layer_slot_bytes
+
+    layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
+    slot_bytes = sum(layer_slot_bytes(trace, layer)[1] for layer in trace.layers) / len(trace.layers)
+    mib = slot_bytes / 2**20 / trace.n_tokens
+    rows = []
+    for slots in slot_counts_:
+        total = slots * len(layers)
+        per_layer = sum(adaptive(steps, slots, trace.n_expert).uploads for steps in layers)
+        shared = bank(layers, total).uploads
+        at_pin = global_lru(layers, total).uploads
+        later = lrfu(layers, total).uploads
+        ratios = " | ".join(f"{shared / other if other else 1.0:.2f}" for other in (per_layer, at_pin, later))
+        rows.append(f"| {name} | {slots} | {per_layer * mib:.1f} | {shared * mib:.1f} | {at_pin * mib:.1f} | "
+                    f"{later * mib:.1f} | {ratios} |")
+    return rows
+
+
+def bank_table(seed: int = 0, fractions: tuple[float, ...] = (0.125, 0.25, 0.5)) -> str:
+    """bank_rows() for every preset, the layered ones included, at each fraction of its experts."""
+    lines = [BANK_HEADER.format(what="preset")]
     for name, preset in {**PRESETS, **LAYERED_PRESETS}.items():
-        trace = generate(name, seed=seed)
-        layers = [layer_steps(trace.ids, i) for i in range(trace.ids.shape[1])]
-        mib = preset.bytes_per_slot / 2**20 / trace.n_tokens
-        for slots in slot_counts(preset, fractions):
-            total = slots * len(layers)
-            per_layer = sum(adaptive(steps, slots, preset.n_expert).uploads for steps in layers)
-            shared = bank(layers, total).uploads
-            at_pin = global_lru(layers, total).uploads
-            later = lrfu(layers, total).uploads
-            ratios = " | ".join(f"{shared / other if other else 1.0:.2f}" for other in (per_layer, at_pin, later))
-            lines.append(f"| {name} | {slots} | {per_layer * mib:.1f} | {shared * mib:.1f} | {at_pin * mib:.1f} | "
-                         f"{later * mib:.1f} | {ratios} |")
+        lines += bank_rows(name, generate(name, seed=seed), slot_counts(preset, fractions))
+    return "\n".join(lines) + "\n"
+
+
+def bank_trace_table(traces: dict[str, "object"], fractions: tuple[float, ...] = (0.125, 0.25, 0.5)) -> str:
+    """bank_rows() for recorded traces (name -> Trace), at each fraction of their experts that holds a
+    step's top-k."""
+    lines = [BANK_HEADER.format(what="trace")]
+    for name, trace in traces.items():
+        counts = sorted({max(trace.top_k, int(round(f * trace.n_expert))) for f in fractions})
+        lines += bank_rows(name, trace, counts)
     return "\n".join(lines) + "\n"
 
 

@@ -55,3 +55,32 @@ def replay_product(trace: Trace, n_slots: int | dict[int, int], policy: str | in
         totals["gate_closures"] += c.gate_closures
     steps = trace.n_tokens
     return ReplayResult(PoolCounters(**totals, steps=steps, bypassed_steps=0), per_layer, miss)
+
+
+def replay_bank(trace: Trace, n_slots_total: int, policy: str | int = DEFAULT_POLICY) -> ReplayResult:
+    """One bank shared by every layer of the trace, through the product's own slot policy: the policy
+    over (layer, expert) entries, each layer's step fed in turn within a token, so that a slot belongs
+    to no layer and a victim is never an entry the layer's current step reads (the policy's rule for
+    a step's own ids). Per-layer counters are the layer's share of the bank's lookups and misses."""
+    width = trace.n_expert
+    replayer = Policy(len(trace.layers) * width, n_slots_total, policy)
+    miss = np.zeros(trace.ids.shape, dtype=bool)
+    for t in range(trace.n_tokens):
+        for li, layer in enumerate(trace.layers):
+            try:
+                missed = replayer.feed((trace.ids[t, li] + li * width).tolist())
+            except ValueError as exc:
+                raise ValueError(f"token {t} layer {layer}: {exc}") from None
+            miss[t, li] = missed
+    c = replayer.counters()
+    per_layer: dict[int, PoolCounters] = {}
+    copy_bytes = 0
+    for li, layer in enumerate(trace.layers):
+        lookups = sum(len(set(trace.ids[t, li].tolist())) for t in range(trace.n_tokens))
+        # a step's repeated id misses once: count distinct missed experts per step
+        misses = sum(len(set(trace.ids[t, li][miss[t, li]].tolist())) for t in range(trace.n_tokens))
+        _, slot_bytes = layer_slot_bytes(trace, layer)
+        per_layer[layer] = PoolCounters(lookups, lookups - misses, misses, 0, misses * slot_bytes, trace.n_tokens, 0, 0, 0)
+        copy_bytes += misses * slot_bytes
+    totals = PoolCounters(c.lookups, c.hits, c.misses, c.evictions, copy_bytes, trace.n_tokens, 0, 0, 0)
+    return ReplayResult(totals, per_layer, miss)
