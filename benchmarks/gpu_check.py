@@ -20,7 +20,8 @@ misses were read from (experts=) and who served its steps (serve=).
  1. upload         host -> device: pageable, pinned, and pageable pages pinned in place; one small copy
  2. first-card     stock, then the device's path, copy and hybrid (the host serving) at each -mec on an
                    emulated 16 GB card, on the default load (mapped experts, pinned in place where the
-                   device offers that)
+                   device offers that); then the device's path over one bank for the layers
+                   (LLAMA_MOE_POOL_BANK=on) at the same -mec
  3. upstream-first llama.cpp's --moe-cache-mib at each copy pool's device bytes (equal memory)
  4. loads-first    the same designs on the other loads: mapped pages left pageable (pin off), and
                    pinned host memory (-lm none, llama.cpp's cache too)
@@ -113,7 +114,8 @@ class Estimator:
             mode, mec = mode.removesuffix("-resident"), self.spec.n_expert
         key = (mode, mec)
         if key not in self._ms:
-            modes = {"upstream": "merged-lru", "resident": "stock"}.get(mode, mode)
+            # the bank's bytes are the lab's to say (policy-lab.md); it is timed as the device's path
+            modes = {"upstream": "merged-lru", "resident": "stock", "bank": "device"}.get(mode, mode)
             g = self.geometry
             if mode == "resident":  # every expert on the device: no host layers
                 g = P.Geometry("plan", 0, g.n_expert, g.top_k, g.expert_bytes,
@@ -161,7 +163,7 @@ class DeadlineReached(Exception):
 
 #: the designs a row can be: the stock path, the pool served by the device (its own path) or by the
 #: host (copy, hybrid), llama.cpp's cache, and -mec auto
-DESIGNS = ("stock", "device", "copy", "hybrid", "upstream", "auto")
+DESIGNS = ("stock", "device", "copy", "hybrid", "upstream", "auto", "bank")
 #: where the experts are: mapped from the file and pinned in place where the device offers that (the
 #: default load), mapped and left pageable (pin off), or in pinned host memory (-lm none)
 LOADS = ("default", "mapped", "pinned")
@@ -294,6 +296,7 @@ def decode_row(label: str, run, n_tokens: int, card_mib: int | None) -> dict:
             "uploads": s.uploads if s.enabled else "-", "block_ms_per_token": c.block_us_per_token / 1000.0,
             "experts": s.experts if s.enabled else "-", "serve": s.serve if s.enabled else "-",
             "serve_reason": s.serve_reason if s.enabled else "",
+            "bank": s.bank if s.enabled else "-", "bank_reason": s.bank_reason if s.enabled else "",
             # hybrid: misses placed on the device in their step, and prefetch (per token, and its precision)
             "placed_per_token": c.placed / max(1, n_tokens), "prefetched_per_token": c.prefetched / max(1, n_tokens),
             "prefetch_hits_per_token": c.prefetch_hits / max(1, n_tokens),
@@ -311,7 +314,8 @@ def step_upload(c: Check) -> None:
 
 #: the pool's designs, as PoolConfig settings: the device serving each step, or the host
 POOL_DESIGNS = {"device": {"mode": "copy", "serve": "device"}, "copy": {"mode": "copy", "serve": "host"},
-                "hybrid": {"mode": "hybrid", "serve": "host"}}
+                "hybrid": {"mode": "hybrid", "serve": "host"},
+                "bank": {"mode": "copy", "serve": "device", "bank": "on"}}
 #: the session each load is on, and the pool setting it asks for
 LOAD_SESSIONS = {"default": ("offloaded", {}), "mapped": ("offloaded", {"pin": "off"}), "pinned": ("pinned", {})}
 
@@ -332,7 +336,7 @@ def _designs(c: Check, step: str, card: int, designs: tuple[str, ...], load: str
 
 def step_card_first(c: Check) -> None:
     c.decode("first-card", "stock", "offloaded")
-    _designs(c, "first-card", c.args.card_mib[0], ("device", "copy", "hybrid"))
+    _designs(c, "first-card", c.args.card_mib[0], ("device", "copy", "hybrid", "bank"))
 
 
 def _upstream_at(c: Check, step: str, card: int, mec: int, load: str = "default", stream: str = "topics") -> None:

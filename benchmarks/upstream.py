@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The expert pool against llama.cpp's own expert cache (`--moe-cache-mib`), in one binary, on one
 device, over one model and one token stream: stock `--cpu-moe`, upstream's cache at several sizes, and
-the pool's copy and hybrid modes given the same device memory.
+the pool's copy and hybrid modes and its bank (one bank of slots for the layers the device serves,
+`LLAMA_MOE_POOL_BANK=on`; a device without the device's path says `pool bank off(serve)`) given the
+same device memory.
 
 Equal memory: each pool size is set in slots per expert tensor; the pool's own bytes (its memory
 breakdown) are converted to MiB and upstream's cache is given that, rounded up to a whole MiB (its
@@ -147,6 +149,8 @@ def one_run(model, stream, *, pool=None, cache_mib: int = 0) -> dict:
     row = {"tps": result.decode_tokens_per_s, "waits": sum(waits) / n, "callback_ms": sum(callback_ms) / n}
     if pool is not None:
         c = ctx.pool_counters()
+        status = ctx.pool_status()
+        row["bank"] = status.bank if status.bank == "on" else f"off({status.bank_reason})" if status.bank_reason else "off"
         pool_bytes = sum(r.pool for r in ctx.memory())
         per_layer = len(ctx.pool_report(per_pool=True).pools) // spec().n_layer  # gate, up, down: a lookup each
         row.update(hit=c.hit_rate, kib=c.copy_bytes / n / 1024, pool_bytes=pool_bytes, pool_mib=pool_bytes / 2**20,
@@ -192,10 +196,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 pool = PoolConfig(slots=slots, mode=mode, **({"device_mib": device_mib} if device_mib else {}))
                 pooled[mode] = dict(repeat(f"pool {mode} {slots}", pool=pool), design=f"pool {mode}",
                                     slots=slots, cache_mib=0)
+            # one bank for the layers (patch 0046): the device's path only; elsewhere the row says why not
+            bank = PoolConfig(slots=slots, mode="copy", bank="on", **({"device_mib": device_mib} if device_mib else {}))
+            banked = repeat(f"pool bank {slots}", pool=bank)
+            banked = dict(banked, design="pool bank" if banked["bank"] == "on" else f"pool bank {banked['bank']}",
+                          slots=slots, cache_mib=0)
             mib = equal_memory_mib(pooled["copy"]["pool_bytes"])
             rows.append(dict(repeat(f"upstream {mib} MiB", cache_mib=mib), design="upstream cache",
                              slots=slots, cache_mib=mib))
-            rows += [pooled["copy"], pooled["hybrid"]]
+            rows += [pooled["copy"], pooled["hybrid"], banked]
         reference = rows[0]["logits"]
         for r in rows:
             same_steps = len(r["logits"]) == len(reference)

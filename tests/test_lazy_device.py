@@ -653,3 +653,181 @@ def test_the_auto_benchmark_reports_cold_and_warm_halves_over_a_slow_link(tmp_pa
     bad = subprocess.run([sys.executable, str(root / "benchmarks" / "auto.py"), "--device", "rpc", "--link-mb-s", "50"],
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert bad.returncode == 2 and "--link-mb-s 50: expected a rate > 0 with --device lazy" in bad.stderr
+
+
+# One bank for a device's layers (LLAMA_MOE_POOL_BANK=on): the device's LRU runs over (layer, expert)
+# and hands out any slot of the bank to any layer, so a layer's matmuls read the whole bank.
+
+def banked(**kw) -> PoolConfig:
+    return on_device(**{"mode": "copy", "serve": "device", "bank": "on", **kw})
+
+
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_a_bank_shared_by_the_layers_serves_every_step_bit_identically(make_model, stream, expert_type):
+    """Slots at top-k a layer, one bank of them on the device: every step evicts, often another
+    layer's expert; the logits equal the all-resident run's, each layer's counts add up to its
+    lookups, and a token still waits for the host once."""
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    logits, waits, report, status, lines = counted_decode(model, stream, banked(slots=4))
+    model.close()
+    assert status.bank == "on" and status.bank_reason == "" and status.serve == "device"
+    assert any(" bank=on" in l for l in lines if l.startswith("expert pool status=enabled"))
+    assert all(np.array_equal(a, b) for a, b in zip(logits, ref.logits)) and len(logits) == len(ref.logits), \
+        f"{expert_type}: the bank changed the logits"
+    assert max(waits) <= 2
+    c = report.counters
+    assert c.steps == len(stream) and c.lookups == c.hits + c.misses == SPEC.n_layer * SPEC.n_expert_used * c.steps
+    assert c.misses > 0 and c.evictions > 0 and c.uploads == c.misses
+    per_layer = [p for p in report.pool_counters]
+    assert sum(p.copy_bytes for p in per_layer) == c.copy_bytes > 0
+
+
+def test_a_bank_serves_micro_batches_and_two_sequences_bit_identically(qwen3_model, stream):
+    tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
+    seqs = [stream[:36], stream[36:72]]
+    ref_model = on_lazy(qwen3_model)
+    ref, *_ = decode_in_batches(ref_model, None, tokens)
+    ref_seqs, _ = decode_sequences(ref_model, None, seqs, n_prompt=4)
+    ref_model.close()
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    got, _, c = decode_in_batches(model, banked(slots=SPEC.n_expert // 2), tokens)
+    got_seqs, c2 = decode_sequences(model, banked(slots=8), seqs, n_prompt=4)
+    model.close()
+    for n, a, b in zip(BATCH_SHAPES, ref, got):
+        assert np.array_equal(a, b), f"the {n}-token batch changed the logits over a bank"
+    assert c.steps > 0 and c.misses > 0 and c2.evictions > 0
+    for r, g in zip(ref_seqs, got_seqs):
+        assert all(np.array_equal(a, b) for a, b in zip(r, g)), "two sequences changed over a bank"
+
+
+@pytest.mark.parametrize("config,reason", [({"mode": "hybrid", "serve": "auto"}, "hybrid"),
+                                           ({"serve": "host"}, "serve")])
+def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_model, stream, config, reason):
+    """Hybrid mode keeps a table per layer, and the host serves a layer from its own policy: with
+    either, the bank is off, the status line says why, and the run is the per-layer pools' bit for
+    bit (the host's layers keep their stretch of the bank tensor as their slots)."""
+    ref = resident(qwen3_model, stream, n_prompt=1)
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    result, report, status, lines = decode(model, stream, banked(slots=4, **config), n_prompt=1)
+    model.close()
+    assert status.bank == "off" and status.bank_reason == reason
+    assert any(f" bank=off({reason})" in l for l in lines if l.startswith("expert pool status=enabled"))
+    assert report.counters.evictions > 0
+    assert identical(result, ref), f"{config}: the logits changed"
+
+
+def test_two_devices_each_bank_their_own_layers_bit_identically(make_model, stream):
+    """Six layers over two devices: each device's bank holds the layers placed there, and says so."""
+    path = make_model(n_layer=6)
+    ref_model = on_two_lazy(path)
+    ref, *_ = decode(ref_model, stream, n_prompt=1)
+    ref_model.close()
+    model = on_two_lazy(path, cpu_moe=True)
+    result, report, status, _ = decode(model, stream, banked(slots=4), n_prompt=1)
+    model.close()
+    assert [(d.bank, d.bank_reason) for d in report.devices] == [("on", "")] * 2 and status.bank == "on"
+    assert {info.device for info in report.pools} == {0, 1} and report.counters.evictions > 0
+    assert identical(result, ref), "a bank per device changed the logits on two devices"
+
+
+def _lru_bank_misses(steps: list[dict[int, np.ndarray]], n_expert: int, n_slots: int) -> dict[int, int]:
+    """GGML_OP_MOE_FETCH's rule over one bank, re-derived: each layer's step in turn, a hit keeps its
+    slot, each miss (in the order the ids first name it) takes the empty slot or the one least
+    recently used by earlier steps, ties to the lowest index, never a slot this step uses."""
+    owner = [-1] * n_slots
+    last = [0] * n_slots
+    slot_of: dict[int, int] = {}
+    misses: dict[int, int] = {}
+    clock = 0
+    for step in steps:
+        for layer in sorted(step):
+            clock += 1
+            keys = [layer * n_expert + int(e) for e in dict.fromkeys(step[layer].tolist())]
+            used = {slot_of[k] for k in keys if k in slot_of}
+            for k in keys:
+                if k not in slot_of:
+                    misses[layer] = misses.get(layer, 0) + 1
+                    s = min((s for s in range(n_slots) if s not in used), key=lambda s: (owner[s] >= 0, last[s], s))
+                    if owner[s] >= 0:
+                        del slot_of[owner[s]]
+                    owner[s], slot_of[k] = k, s
+                used.add(slot_of[k])
+            for k in keys:
+                last[slot_of[k]] = clock
+    return misses
+
+
+def test_a_banks_misses_are_those_of_one_lru_over_every_layer(qwen3_model, stream):
+    """The device's counts over a bank of 6 slots a layer are what one LRU over (layer, expert) with
+    24 slots misses on the same routing (recorded from the host's path, which routes alike: the logits
+    are the same), layer by layer; a pool per layer misses otherwise."""
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    ctx = Context(model, pool=pool(slots=SPEC.n_expert, mode="copy"))
+    recorder = PoolTraceRecorder(ctx)
+    from pyllamapool.run.decode import run_context
+    run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:])
+    ctx.close()
+    steps = [{layer: ids for layer, (ids, _) in step.items()} for step in (recorder.steps + [recorder._current])
+             if step]
+    _, report, status, _ = decode(model, stream, banked(slots=6), n_prompt=1)
+    _, per_layer_report, _, _ = decode(model, stream, on_device(slots=6, mode="copy", serve="device"), n_prompt=1)
+    model.close()
+    assert status.bank == "on" and len(steps) == report.counters.steps
+    expected = _lru_bank_misses(steps, SPEC.n_expert, 6 * SPEC.n_layer)
+    got = {info.layer: c.misses for info, c in zip(report.pools, report.pool_counters)}
+    per_layer = {info.layer: c.misses for info, c in zip(per_layer_report.pools, per_layer_report.pool_counters)}
+    assert got == expected and report.counters.misses == sum(expected.values())
+    assert got != per_layer
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream, tmp_path, layout, monkeypatch):
+    """A warm start fills each layer's stretch of the bank and writes the bank's state to say so: the
+    first token, which selects exactly the file's experts, misses nothing on the device, the run
+    equals the all-resident one, and the evictions count every miss that found no empty slot."""
+    queue_layout(layout, monkeypatch)
+    ref = resident(qwen3_model, stream, n_prompt=1)
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    hot = tmp_path / "hot.txt"
+    first = Context(model, pool=pool(slots=6, mode="copy", hotset=hot))
+    recorder = PoolTraceRecorder(first)
+    first.decode([stream[0]])
+    recorder.end_step()
+    first.close()
+    key = re.search(r"hotset=cold reason=no-file .* model=(\S+) slots=(\d+)", "\n".join(first.pool_lines()))
+    hot.write_text(f"[hotset model={key.group(1)} slots={key.group(2)}]\n" + "".join(
+        f"blk.{il} " + " ".join(f"{e}:1" for e in dict.fromkeys(ids.tolist())) + "\n"
+        for il, (ids, _) in sorted(recorder.steps[0].items())))
+    ctx = Context(model, pool=banked(slots=6, hotset=hot))
+    ctx.decode([stream[0]])
+    logits = [ctx.logits()]  # the context has synchronized: the device's counts are the host's now
+    c = ctx.pool_counters()
+    for tok in stream[1:]:
+        ctx.decode([tok])
+        logits.append(ctx.logits())
+    status, end = ctx.pool_status(), ctx.pool_counters()
+    ctx.close()
+    model.close()
+    assert status.bank == "on" and any(l.startswith("expert pool hotset=loaded") for l in ctx.pool_lines())
+    assert c.lookups > 0 and c.misses == 0  # the premise: a first step of hits only, on the device
+    # the warm start filled 4 of each layer's 6 slots: the bank's misses filled its 8 empty slots and
+    # evicted otherwise, whichever layer's expert they evicted
+    warm = sum(len(set(ids.tolist())) for ids, _ in recorder.steps[0].values())
+    assert end.misses > 6 * SPEC.n_layer and end.evictions == end.misses - (6 * SPEC.n_layer - warm)
+    assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits))
+
+
+def test_mec_auto_and_a_weighted_plan_run_over_a_bank_bit_identically(qwen3_model, stream, tmp_path):
+    """-mec auto's arbiter stands the bank down or keeps it as it does per-layer pools, and a weighted
+    plan's per-layer shares add up to the bank: both stay the all-resident run's."""
+    ref = resident(qwen3_model, stream, n_prompt=1)
+    profile = tmp_path / "profile.txt"
+    profile.write_text("blk.0 3\nblk.1 1\nblk.2 1\nblk.3 1\n")
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    for config in (banked(slots=4, gate="auto"), banked(slots=6, profile=profile)):
+        result, report, status, _ = decode(model, stream, config, n_prompt=1)
+        assert status.bank == "on" and report.counters.steps > 0, config
+        assert identical(result, ref), f"{config}: the logits changed over a bank"
+    model.close()

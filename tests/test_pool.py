@@ -66,6 +66,23 @@ def test_pool_decode_is_bit_identical_to_the_resident_stock_path(arch_model, rpc
     model.close()
 
 
+def test_a_bank_asked_for_where_the_host_serves_keeps_each_layers_stretch_bit_identical(arch_model, rpc_server, stream,
+                                                                                        resident_reference):
+    """RPC forwards GGML_OP_MOE_FETCH but cannot read the host's experts in place, so the host serves
+    every layer: the slots are laid out as one bank, each layer's pools a view of its stretch of it (the
+    next layer's first slots as its padding), and each layer keeps its own policy there. The status says
+    the bank is off and why."""
+    model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
+    for slots in (4, 6):
+        result, report, status, lines = decode(model, stream, PoolConfig(mode="copy", slots=slots, device_mib=65536,
+                                                                         bank="on"))
+        assert status.enabled and (status.bank, status.bank_reason) == ("off", "serve")
+        assert any(" bank=off(serve)" in l for l in lines if l.startswith("expert pool status=enabled"))
+        assert report.counters.evictions > 0
+        assert identical(result, resident_reference), f"{slots} slots in a bank's layout changed the logits"
+    model.close()
+
+
 def test_with_slots_for_every_expert_the_pool_stops_copying(qwen3_model, rpc_server, stream):
     model = Model(qwen3_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     ctx = Context(model, pool=PoolConfig(slots=SPEC.n_expert, device_mib=65536))
@@ -483,7 +500,7 @@ def test_a_draft_context_gets_no_pool_and_the_target_keeps_its_own(qwen3_model, 
                                        ("LLAMA_MOE_POOL_DEVICE_MIB", "-4"), ("LLAMA_MOE_POOL_POLICY", "mru"),
                                        ("LLAMA_MOE_POOL_GATE", "on"), ("LLAMA_MOE_POOL_MODE", "turbo"),
                                        ("LLAMA_MOE_POOL_UPLOADS", "fast"), ("LLAMA_MOE_POOL_STAGING_MIB", "0"),
-                                       ("LLAMA_MOE_POOL_PREFETCH", "always")])
+                                       ("LLAMA_MOE_POOL_PREFETCH", "always"), ("LLAMA_MOE_POOL_BANK", "shared")])
 def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, monkeypatch, var, value):
     """The Python layer and llama.cpp's tools (common) read the same knobs, and refuse the same values
     before anything is loaded; libllama itself reads no environment."""
@@ -501,6 +518,8 @@ def test_bad_environment_values_are_refused_naming_the_variable(qwen3_model, mon
         assert "expected stream or inline" in result.stderr
     if var == "LLAMA_MOE_POOL_PREFETCH":
         assert "expected auto, off or on" in result.stderr
+    if var == "LLAMA_MOE_POOL_BANK":
+        assert "expected off or on" in result.stderr
 
 
 def test_the_default_policy_is_adaptive_and_lru_stays_selectable(qwen3_model, rpc_server, monkeypatch):

@@ -54,6 +54,10 @@ PINS = {"on": 1, "off": 2}
 #: host; in hybrid mode the device's path and hybrid's take turns, timed, and the faster one serves),
 #: "device" (the device wherever it can, untimed: a device that cannot says why) or "host"
 SERVES = {"auto": 1, "device": 2, "host": 3}
+#: whether a device's slots are one bank for its layers, by C API code (enum llama_moe_pool_bank_type):
+#: "off" (the default: a pool per layer) or "on" (copy mode where the device serves every pooled layer:
+#: its LRU runs over (layer, expert) and a slot belongs to no layer)
+BANKS = {"off": 1, "on": 2}
 #: where a device's misses are read from (PoolStatus.experts), fastest first
 EXPERT_SOURCES = ("pinned", "registered", "mapped", "file")
 #: the environment knobs (as llama.cpp's tools read them through common) for PoolConfig's fields
@@ -64,7 +68,8 @@ ENVIRONMENT = {"rail_mib": "LLAMA_MOE_POOL_RAIL_MIB", "cap_mib": "LLAMA_MOE_POOL
                "uploads": "LLAMA_MOE_POOL_UPLOADS", "staging_mib": "LLAMA_MOE_POOL_STAGING_MIB",
                "placement": "LLAMA_MOE_POOL_PLACEMENT", "hotset": "LLAMA_MOE_POOL_HOTSET",
                "prefetch": "LLAMA_MOE_POOL_PREFETCH", "pin": "LLAMA_MOE_POOL_PIN",
-               "gather_threads": "LLAMA_MOE_POOL_GATHER_THREADS", "serve": "LLAMA_MOE_POOL_SERVE"}
+               "gather_threads": "LLAMA_MOE_POOL_GATHER_THREADS", "serve": "LLAMA_MOE_POOL_SERVE",
+               "bank": "LLAMA_MOE_POOL_BANK"}
 #: any value asks for per-pool counters and hits by batch size in the shutdown report
 STATS_ENV = "GGML_MOE_POOL_STATS"
 #: micro-batch sizes the counters are split by (tokens; the last only where a pool holds every expert)
@@ -153,6 +158,11 @@ def serve_code(serve: str | int) -> int:
     return _code("serve", serve, SERVES)
 
 
+def bank_code(bank: str | int) -> int:
+    """The C API code of whether a device's layers share one bank, given by name or code."""
+    return _code("bank", bank, BANKS)
+
+
 def _check_whole(name: str, value, minimum: int, expected: str) -> None:
     """None (take the default) or a whole number >= minimum; bools are not numbers here."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
@@ -231,6 +241,10 @@ class PoolConfig:
         on a slow link the CPU computing a share of the misses wins), "device" (the device's path
         wherever it can run, untimed, and a device that cannot says why) or "host" (the host reads each
         step's ids: copy or hybrid mode; LLAMA_MOE_POOL_SERVE).
+    bank: "off" (the default: a pool per layer) or "on": in copy mode, where the device serves every
+        pooled layer itself, its slots are one bank over (layer, expert), so the memory goes to the
+        layers whose routing is least local; elsewhere a pool per layer, and the status says why
+        (LLAMA_MOE_POOL_BANK).
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -251,6 +265,7 @@ class PoolConfig:
     pin: str | None = None
     gather_threads: int | None = None
     serve: str | None = None
+    bank: str | None = None
 
     @property
     def slot_list(self) -> tuple[int, ...]:
@@ -307,6 +322,8 @@ class PoolConfig:
             pin_code(self.pin)
         if self.serve is not None:
             serve_code(self.serve)
+        if self.bank is not None:
+            bank_code(self.bank)
         _check_whole("gather_threads", self.gather_threads, 1, "expected a thread count from 1 to 256")
         if self.gather_threads is not None and self.gather_threads > 256:
             raise PoolConfigError(f"gather_threads={self.gather_threads!r} is invalid: expected a thread count "
@@ -399,6 +416,8 @@ class PoolConfig:
             params.gather_threads = config.gather_threads
         if config.serve is not None:
             params.serve = serve_code(config.serve)
+        if config.bank is not None:
+            params.bank = bank_code(config.bank)
         params.detailed_stats = STATS_ENV in os.environ
         keep.append(params)
         return params
@@ -439,6 +458,10 @@ class PoolStatus:
     #: device where that was asked ("no-op", "not-pinned", "repacked", "tensors", "gate", "off")
     serve: str = "host"
     serve_reason: str = ""
+    #: whether the device's slots are one bank for its layers ("on") or a pool per layer ("off"), and
+    #: why not where a bank was asked for ("hybrid", "serve", "layout", "one-layer")
+    bank: str = "off"
+    bank_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -577,7 +600,9 @@ def _status_from_c(ffi, s) -> PoolStatus:
         experts_reason=ffi.string(s.experts_reason).decode() if s.experts_reason else "",
         gather_threads=s.gather_threads,
         serve=ffi.string(s.serve).decode() if s.serve else "host",
-        serve_reason=ffi.string(s.serve_reason).decode() if s.serve_reason else "")
+        serve_reason=ffi.string(s.serve_reason).decode() if s.serve_reason else "",
+        bank=ffi.string(s.bank).decode() if s.bank else "off",
+        bank_reason=ffi.string(s.bank_reason).decode() if s.bank_reason else "")
 
 
 def _counters_from_c(c) -> PoolCounters:
