@@ -2,8 +2,8 @@
 """The expert pool against llama.cpp's own expert cache (`--moe-cache-mib`), in one binary, on one
 device, over one model and one token stream: stock `--cpu-moe`, upstream's cache at several sizes, and
 the pool's copy and hybrid modes and its bank (one bank of slots for the layers the device serves,
-`LLAMA_MOE_POOL_BANK=on`; a device without the device's path says `pool bank off(serve)`) given the
-same device memory.
+`LLAMA_MOE_POOL_BANK=on`: the device's path serves it where the device can, else the host's) given
+the same device memory.
 
 Equal memory: each pool size is set in slots per expert tensor; the pool's own bytes (its memory
 breakdown) are converted to MiB and upstream's cache is given that, rounded up to a whole MiB (its
@@ -196,7 +196,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 pool = PoolConfig(slots=slots, mode=mode, **({"device_mib": device_mib} if device_mib else {}))
                 pooled[mode] = dict(repeat(f"pool {mode} {slots}", pool=pool), design=f"pool {mode}",
                                     slots=slots, cache_mib=0)
-            # one bank for the layers (patch 0046): the device's path only; elsewhere the row says why not
+            # one bank for the layers (patch 0046), on whichever path serves the device; a refusal says why
             bank = PoolConfig(slots=slots, mode="copy", bank="on", **({"device_mib": device_mib} if device_mib else {}))
             banked = repeat(f"pool bank {slots}", pool=bank)
             banked = dict(banked, design="pool bank" if banked["bank"] == "on" else f"pool bank {banked['bank']}",

@@ -243,9 +243,9 @@ def test_the_gpu_check_runs_every_step_on_the_testbed(tmp_path):
     assert rows[0]["mode"] == "stock" and rows[0]["design"] == "stock"
     assert designs("first-card")[:-1] == sorted((d, "default", "topics", m) for d in ("device", "copy", "hybrid", "bank")
                                                 for m in (4, 8))
-    # the bank is asked for on the first card; RPC has no device path, so it says why not
-    assert all(r["bank"] in ("off", "-") for r in by_step["first-card"] if r["design"] == "bank")
-    assert all(r["bank_reason"] == "serve" for r in by_step["first-card"] if r["design"] == "bank" and r["status"] == "enabled")
+    # the bank is asked for on the first card (too small here for any pool); RPC has no device path, so
+    # where a bank fits the host's policy serves it
+    assert all(r["bank"] in ("on", "-") for r in by_step["first-card"] if r["design"] == "bank")
     # the other loads: pageable pages (the host's designs), pinned memory (every design); short requests
     assert designs("loads-first") == sorted([(d, "mapped", "topics", m) for d in ("copy", "hybrid") for m in (4, 8)]
                                             + [(d, "pinned", "topics", m) for d in ("device", "copy", "hybrid")

@@ -684,7 +684,8 @@ def test_a_bank_shared_by_the_layers_serves_every_step_bit_identically(make_mode
     assert sum(p.copy_bytes for p in per_layer) == c.copy_bytes > 0
 
 
-def test_a_bank_serves_micro_batches_and_two_sequences_bit_identically(qwen3_model, stream):
+@pytest.mark.parametrize("serve", ["device", "host"])
+def test_a_bank_serves_micro_batches_and_two_sequences_bit_identically(qwen3_model, stream, serve):
     tokens = token_stream(SPEC, StreamSpec(n_tokens=sum(BATCH_SHAPES), seed=5))
     seqs = [stream[:36], stream[36:72]]
     ref_model = on_lazy(qwen3_model)
@@ -692,22 +693,108 @@ def test_a_bank_serves_micro_batches_and_two_sequences_bit_identically(qwen3_mod
     ref_seqs, _ = decode_sequences(ref_model, None, seqs, n_prompt=4)
     ref_model.close()
     model = on_lazy(qwen3_model, cpu_moe=True)
-    got, _, c = decode_in_batches(model, banked(slots=SPEC.n_expert // 2), tokens)
-    got_seqs, c2 = decode_sequences(model, banked(slots=8), seqs, n_prompt=4)
+    got, _, c = decode_in_batches(model, BANKED[serve](slots=SPEC.n_expert // 2), tokens)
+    got_seqs, c2 = decode_sequences(model, BANKED[serve](slots=8), seqs, n_prompt=4)
     model.close()
     for n, a, b in zip(BATCH_SHAPES, ref, got):
-        assert np.array_equal(a, b), f"the {n}-token batch changed the logits over a bank"
+        assert np.array_equal(a, b), f"the {n}-token batch changed the logits over a bank ({serve})"
     assert c.steps > 0 and c.misses > 0 and c2.evictions > 0
     for r, g in zip(ref_seqs, got_seqs):
-        assert all(np.array_equal(a, b) for a, b in zip(r, g)), "two sequences changed over a bank"
+        assert all(np.array_equal(a, b) for a, b in zip(r, g)), f"two sequences changed over a bank ({serve})"
+
+
+def host_banked(**kw) -> PoolConfig:
+    """A bank the host serves (as on RPC and Vulkan, which do not fetch on the device): the pool's
+    policy runs over (layer, expert) and each layer's remap op hands out any slot of the bank."""
+    return pool(**{"mode": "copy", "bank": "on", **kw})
+
+
+BANKED = {"device": banked, "host": host_banked}
+
+
+def bank_slots(report) -> int:
+    """The slots of the layers' shares of the bank, each layer counted once."""
+    return sum({info.layer: info.slots for info in report.pools}.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("uploads", PATHS)
+@pytest.mark.parametrize("expert_type", ["F16", "Q4_0"])
+def test_a_bank_the_host_serves_is_bit_identical_under_heavy_eviction(make_model, stream, expert_type, uploads, layout,
+                                                                      monkeypatch):
+    """Slots at top-k a layer in one bank the host serves: a step's misses take slots other layers'
+    experts held, uploaded on either path and queue layout; the logits equal the all-resident run's.
+    Every miss that found the bank full evicted one expert, counted once, for the layer that lost it."""
+    queue_layout(layout, monkeypatch)
+    path = user_type_model(make_model, expert_type)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    result, report, status, lines = decode(model, stream, host_banked(slots=4, uploads=uploads), n_prompt=1)
+    model.close()
+    assert (status.bank, status.bank_reason, status.serve) == ("on", "", "host")
+    assert any(" bank=on" in l for l in lines if l.startswith("expert pool status=enabled"))
+    assert identical(result, ref), f"{expert_type}, {uploads}, {layout}: the host's bank changed the logits"
+    c = report.counters
+    assert c.steps == len(stream) and c.lookups == c.hits + c.misses == SPEC.n_layer * SPEC.n_expert_used * c.steps
+    assert c.uploads == c.misses and c.evictions == c.misses - bank_slots(report) > 0
+    assert sum(p.copy_bytes for p in report.pool_counters) == c.copy_bytes > 0
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "lru"])
+def test_a_host_banks_misses_are_the_labs_bank_on_the_same_routing(qwen3_model, stream, policy):
+    """The host's bank of 6 slots a layer misses what the lab's bank (policies.bank, the product's
+    policy over (layer, expert) written again in Python) misses on the routing recorded from a pool
+    holding every expert; a pool per layer at equal memory misses otherwise."""
+    from pyllamapool.lab.policies import bank
+    from pyllamapool.run.decode import run_context
+
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    ctx = Context(model, pool=pool(slots=SPEC.n_expert, mode="copy"))
+    recorder = PoolTraceRecorder(ctx)
+    run_context(ctx, stream[:1], 0, teacher_tokens=stream[1:])
+    ctx.close()
+    steps = [step for step in (recorder.steps + [recorder._current]) if step]
+    layers = [[step[il][0].ravel().tolist() for step in steps] for il in sorted(steps[0])]
+    _, report, status, _ = decode(model, stream, host_banked(slots=6, policy=policy), n_prompt=1)
+    _, per_layer, _, _ = decode(model, stream, pool(slots=6, mode="copy", policy=policy), n_prompt=1)
+    model.close()
+    expected = bank(layers, 6 * SPEC.n_layer, policy)
+    c = report.counters
+    assert status.bank == "on" and c.steps == len(steps)
+    assert (c.lookups, c.misses) == (expected.lookups, expected.uploads)
+    assert per_layer.counters.misses != c.misses
+
+
+@pytest.mark.parametrize("serve", ["device", "host"])
+def test_a_prompt_batch_leaves_a_bank_alone_even_where_a_layers_share_holds_every_expert(qwen3_model, tmp_path,
+                                                                                         stream, serve):
+    """A pool of its own that holds every expert serves any batch without evicting; in a bank a layer
+    holds only what the others leave it, so an 8-token prompt takes the stock path in every layer,
+    even in one whose weighted share is all 16 experts. The same share in per-layer pools serves it."""
+    profile = tmp_path / "profile.txt"
+    profile.write_text("blk.0 6\nblk.1 1\nblk.2 1\nblk.3 1\n")
+    model = on_lazy(qwen3_model, cpu_moe=True)
+    seen = {}
+    for bank in ("on", "off"):
+        ctx = Context(model, pool=BANKED[serve](slots=8, profile=profile, bank=bank))
+        ctx.decode(stream[:8])
+        ctx.logits()
+        report = ctx.pool_report(per_pool=True)
+        ctx.close()
+        shares = {info.layer: info.slots for info in report.pools}
+        seen[bank] = {info.layer: c.lookups for info, c in zip(report.pools, report.pool_counters)}
+        assert shares[0] == SPEC.n_expert and sum(shares.values()) < SPEC.n_layer * SPEC.n_expert, shares
+    model.close()
+    assert set(seen["on"].values()) == {0}, seen
+    assert seen["off"][0] > 0 and seen["off"][1] == 0, seen
 
 
 @pytest.mark.parametrize("config,reason", [({"mode": "hybrid", "serve": "auto"}, "hybrid"),
-                                           ({"serve": "host"}, "serve")])
+                                           ({"gate": "yield"}, "gate")])
 def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_model, stream, config, reason):
-    """Hybrid mode keeps a table per layer, and the host serves a layer from its own policy: with
+    """Hybrid mode keeps a table per layer, and the admission gate judges one layer's pool: with
     either, the bank is off, the status line says why, and the run is the per-layer pools' bit for
-    bit (the host's layers keep their stretch of the bank tensor as their slots)."""
+    bit (each layer keeps its stretch of the bank tensor as its slots)."""
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
     result, report, status, lines = decode(model, stream, banked(slots=4, **config), n_prompt=1)
@@ -718,18 +805,21 @@ def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_m
     assert identical(result, ref), f"{config}: the logits changed"
 
 
-def test_two_devices_each_bank_their_own_layers_bit_identically(make_model, stream):
-    """Six layers over two devices: each device's bank holds the layers placed there, and says so."""
+@pytest.mark.parametrize("serve", ["device", "host"])
+def test_two_devices_each_bank_their_own_layers_bit_identically(make_model, stream, serve):
+    """Six layers over two devices: each device's bank holds the layers placed there, and says so,
+    on the device's path and on the host's."""
     path = make_model(n_layer=6)
     ref_model = on_two_lazy(path)
     ref, *_ = decode(ref_model, stream, n_prompt=1)
     ref_model.close()
     model = on_two_lazy(path, cpu_moe=True)
-    result, report, status, _ = decode(model, stream, banked(slots=4), n_prompt=1)
+    result, report, status, _ = decode(model, stream, BANKED[serve](slots=4), n_prompt=1)
     model.close()
-    assert [(d.bank, d.bank_reason) for d in report.devices] == [("on", "")] * 2 and status.bank == "on"
-    assert {info.device for info in report.pools} == {0, 1} and report.counters.evictions > 0
-    assert identical(result, ref), "a bank per device changed the logits on two devices"
+    assert [(d.bank, d.bank_reason, d.serve) for d in report.devices] == [("on", "", serve)] * 2
+    assert status.bank == "on" and {info.device for info in report.pools} == {0, 1}
+    assert report.counters.evictions > 0
+    assert identical(result, ref), f"a bank per device changed the logits on two devices ({serve})"
 
 
 def _lru_bank_misses(steps: list[dict[int, np.ndarray]], n_expert: int, n_slots: int) -> dict[int, int]:
@@ -782,11 +872,13 @@ def test_a_banks_misses_are_those_of_one_lru_over_every_layer(qwen3_model, strea
     assert got != per_layer
 
 
+@pytest.mark.parametrize("serve", ["device", "host"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream, tmp_path, layout, monkeypatch):
-    """A warm start fills each layer's stretch of the bank and writes the bank's state to say so: the
-    first token, which selects exactly the file's experts, misses nothing on the device, the run
-    equals the all-resident one, and the evictions count every miss that found no empty slot."""
+def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream, tmp_path, layout, serve, monkeypatch):
+    """A warm start fills the bank's empty slots with each layer's experts, and the device's state or
+    the host's policy says so: the first token, which selects exactly the file's experts, misses
+    nothing, the run equals the all-resident one, and the evictions count every miss that found no
+    empty slot."""
     queue_layout(layout, monkeypatch)
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
@@ -800,7 +892,7 @@ def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream,
     hot.write_text(f"[hotset model={key.group(1)} slots={key.group(2)}]\n" + "".join(
         f"blk.{il} " + " ".join(f"{e}:1" for e in dict.fromkeys(ids.tolist())) + "\n"
         for il, (ids, _) in sorted(recorder.steps[0].items())))
-    ctx = Context(model, pool=banked(slots=6, hotset=hot))
+    ctx = Context(model, pool=BANKED[serve](slots=6, hotset=hot))
     ctx.decode([stream[0]])
     logits = [ctx.logits()]  # the context has synchronized: the device's counts are the host's now
     c = ctx.pool_counters()
@@ -811,7 +903,7 @@ def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream,
     ctx.close()
     model.close()
     assert status.bank == "on" and any(l.startswith("expert pool hotset=loaded") for l in ctx.pool_lines())
-    assert c.lookups > 0 and c.misses == 0  # the premise: a first step of hits only, on the device
+    assert c.lookups > 0 and c.misses == 0  # the premise: a first step of hits only
     # the warm start filled 4 of each layer's 6 slots: the bank's misses filled its 8 empty slots and
     # evicted otherwise, whichever layer's expert they evicted
     warm = sum(len(set(ids.tolist())) for ids, _ in recorder.steps[0].values())
@@ -819,14 +911,15 @@ def test_a_hot_set_warm_starts_a_bank_before_its_first_step(qwen3_model, stream,
     assert len(logits) == len(ref.logits) and all(np.array_equal(a, b) for a, b in zip(logits, ref.logits))
 
 
-def test_mec_auto_and_a_weighted_plan_run_over_a_bank_bit_identically(qwen3_model, stream, tmp_path):
+@pytest.mark.parametrize("serve", ["device", "host"])
+def test_mec_auto_and_a_weighted_plan_run_over_a_bank_bit_identically(qwen3_model, stream, tmp_path, serve):
     """-mec auto's arbiter stands the bank down or keeps it as it does per-layer pools, and a weighted
-    plan's per-layer shares add up to the bank: both stay the all-resident run's."""
+    plan's per-layer shares add up to the bank: both stay the all-resident run's, on either path."""
     ref = resident(qwen3_model, stream, n_prompt=1)
     profile = tmp_path / "profile.txt"
     profile.write_text("blk.0 3\nblk.1 1\nblk.2 1\nblk.3 1\n")
     model = on_lazy(qwen3_model, cpu_moe=True)
-    for config in (banked(slots=4, gate="auto"), banked(slots=6, profile=profile)):
+    for config in (BANKED[serve](slots=4, gate="auto"), BANKED[serve](slots=6, profile=profile)):
         result, report, status, _ = decode(model, stream, config, n_prompt=1)
         assert status.bank == "on" and report.counters.steps > 0, config
         assert identical(result, ref), f"{config}: the logits changed over a bank"

@@ -66,20 +66,22 @@ def test_pool_decode_is_bit_identical_to_the_resident_stock_path(arch_model, rpc
     model.close()
 
 
-def test_a_bank_asked_for_where_the_host_serves_keeps_each_layers_stretch_bit_identical(arch_model, rpc_server, stream,
-                                                                                        resident_reference):
+def test_a_bank_on_rpc_is_served_by_the_hosts_policy_bit_identically(arch_model, rpc_server, stream,
+                                                                     resident_reference):
     """RPC forwards GGML_OP_MOE_FETCH but cannot read the host's experts in place, so the host serves
-    every layer: the slots are laid out as one bank, each layer's pools a view of its stretch of it (the
-    next layer's first slots as its padding), and each layer keeps its own policy there. The status says
-    the bank is off and why."""
+    the bank: the pool's policy runs over (layer, expert), and a layer's misses take slots that other
+    layers' experts held. The logits are the all-resident run's; every miss that found the bank full
+    evicted one expert, counted once."""
     model = Model(arch_model, n_gpu_layers=99, rpc=[rpc_server.endpoint], n_cpu_moe=99)
     for slots in (4, 6):
         result, report, status, lines = decode(model, stream, PoolConfig(mode="copy", slots=slots, device_mib=65536,
                                                                          bank="on"))
-        assert status.enabled and (status.bank, status.bank_reason) == ("off", "serve")
-        assert any(" bank=off(serve)" in l for l in lines if l.startswith("expert pool status=enabled"))
-        assert report.counters.evictions > 0
-        assert identical(result, resident_reference), f"{slots} slots in a bank's layout changed the logits"
+        assert status.enabled and (status.bank, status.bank_reason, status.serve) == ("on", "", "host")
+        assert any(" bank=on" in l for l in lines if l.startswith("expert pool status=enabled"))
+        c = report.counters
+        n_bank = sum({info.layer: info.slots for info in report.pools}.values())
+        assert c.lookups == c.hits + c.misses and c.evictions == c.misses - n_bank > 0
+        assert identical(result, resident_reference), f"{slots} slots in a bank changed the logits"
     model.close()
 
 

@@ -313,14 +313,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_command_prints_every_mode_per_slot_count(qwen3_model):
     result = run_cli(str(qwen3_model), "--profile", "rtx3090-pcie4", "-mec", "4,8")
     assert result.returncode == 0, result.stderr
-    for mode in ("stock", "copy", "hybrid", "device", "merged-lru", "lrfu", "cpu-share", "auto"):
+    for mode in ("stock", "copy", "hybrid", "device", "bank", "merged-lru", "lrfu", "cpu-share", "auto"):
         assert mode in result.stdout
     out = json.loads(run_cli(str(qwen3_model), "-mec", "4,8", "--json").stdout)
     assert out["schema"] == "pyllamapool.predict/1"
-    assert [(r["mode"], r["slots"]) for r in out["rows"]][:5] == [("stock", 4), ("copy", 4), ("hybrid", 4),
-                                                                 ("device", 4), ("merged-lru", 4)]
-    # stock once, then copy, hybrid, the device's path, merged-lru, lrfu, cpu-share and auto at each
-    assert len(out["rows"]) == 15
+    assert [(r["mode"], r["slots"]) for r in out["rows"]][:6] == [("stock", 4), ("copy", 4), ("hybrid", 4),
+                                                                 ("device", 4), ("bank", 4), ("merged-lru", 4)]
+    # stock once, then copy, hybrid, the device's path, the bank, merged-lru, lrfu, cpu-share and auto at each
+    assert len(out["rows"]) == 17
 
 
 def test_the_command_validates_and_refuses_what_it_cannot_use(qwen3_model):
@@ -420,3 +420,30 @@ def test_the_devices_path_waits_once_a_token_and_needs_pinned_experts():
             assert same_hits > P._tps_at_hit_rate(GEOMETRY, prof, "copy", copy.hit_rate, True), name
             host = by_mode(P.predict(GEOMETRY, prof, routing, slots, modes=("copy", "device"), pinned=False))
             assert host["device"].ms_per_token == host["copy"].ms_per_token and host["device"].setting
+
+
+def test_a_bank_is_priced_on_the_banks_own_replay_on_either_path():
+    """The bank mode prices copy mode's slots as one bank over (layer, expert): with pinned experts the
+    device's path over an LRU bank (llama.cpp's cache's hit rate at the pin, the device's costs), with
+    pageable ones the host's copy mode over the product's adaptive bank. Each is the per-layer row's
+    cost at the bank's own hit rate, and the bytes follow that hit rate."""
+    from pyllamapool.lab import policies
+
+    routing = P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=200)
+    prof = P.PROFILES["h200-pcie5"]
+    for slots in (16, 64):
+        total = slots * len(routing.layers)
+        pinned = by_mode(P.predict(GEOMETRY, prof, routing, slots, modes=("device", "bank", "merged-lru")))
+        assert pinned["bank"].hit_rate == pinned["merged-lru"].hit_rate == \
+            policies.global_lru(routing.layers, total).hit_rate
+        assert pinned["bank"].tokens_per_s == pytest.approx(
+            P._tps_at_hit_rate(GEOMETRY, prof, "device", pinned["bank"].hit_rate, True))
+        assert pinned["bank"].setting.startswith("device")
+        host = by_mode(P.predict(GEOMETRY, prof, routing, slots, modes=("copy", "bank"), pinned=False))
+        assert host["bank"].hit_rate == policies.bank(routing.layers, total).hit_rate
+        assert host["bank"].tokens_per_s == pytest.approx(
+            P._tps_at_hit_rate(GEOMETRY, prof, "copy", host["bank"].hit_rate, False))
+        # fewer hits, more bytes: the bytes are the hit rate's
+        for rows in (pinned, host):
+            other = rows.get("device", rows.get("copy"))
+            assert (rows["bank"].hit_rate > other.hit_rate) == (rows["bank"].upload_mib < other.upload_mib)

@@ -102,8 +102,9 @@ def test_the_side_by_side_benchmark_runs_in_its_short_mode(tmp_path):
                             capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    # RPC has no device path: the bank's layout serves per layer there, and the row says so
-    assert [r["design"] for r in rows] == ["stock", "upstream cache", "pool copy", "pool hybrid", "pool bank off(serve)"]
+    # RPC has no device path: the host's policy serves the bank there
+    assert [r["design"] for r in rows] == ["stock", "upstream cache", "pool copy", "pool hybrid", "pool bank"]
+    assert rows[4]["bank"] == "on" and rows[4]["hit"] > 0
     # equal memory: upstream's cache gets the pool's MiB, rounded up to a whole MiB
     assert rows[1]["cache_mib"] >= rows[2]["pool_mib"] > 0
     assert all(r["parity"] for r in rows), [(r["design"], r["parity"]) for r in rows]

@@ -142,3 +142,16 @@ def test_prefetched_experts_land_before_lavapipe_computes_them(make_model):
         assert run["finite"] and run["max_abs_diff"] < 1e-3 * r["logit_std"], (key, run)
     assert r["on"]["prefetched"] > 0 and 0 < r["on"]["prefetch_hits"] <= r["on"]["prefetched"], r["on"]
     assert r["auto"]["verdict"].startswith("expert pool prefetch=auto side="), r["auto"]
+
+
+def test_a_bank_the_host_serves_on_vulkan_equals_the_host_copy_path(qwen3_model):
+    """Vulkan runs no GGML_OP_MOE_FETCH: the host's policy serves one bank for the layers, a step's
+    misses evicting other layers' experts, on both upload paths and with two sequences a batch, bit
+    for bit the host-copy path's; every miss that found the bank full evicted one expert."""
+    r = on_vulkan("bank", qwen3_model)
+    for key in ("inline", "stream"):
+        run = r[key]
+        assert run["enabled"] and (run["bank"], run["serve"], run["path"]) == ("on", "host", key), (key, run)
+        assert run["evictions"] == run["misses"] - run["bank_slots"] > 0, (key, run)
+        assert run["equals_host_copy"], (key, run)
+    assert r["two-sequences"]["evictions"] > 0 and r["two-sequences"]["equals_host_copy"], r["two-sequences"]

@@ -207,7 +207,31 @@ def check_prefetch(path: str) -> dict:
     return out
 
 
-CHECKS = {"prefetch": check_prefetch, "uploads": check_uploads, "parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
+def check_bank(path: str) -> dict:
+    """One bank for the layers: Vulkan runs no GGML_OP_MOE_FETCH, so the host's policy serves it, its
+    uploads on either path, a step's misses taking slots other layers' experts held; then two sequences
+    a batch over it."""
+    model = Model(path, n_gpu_layers=99, n_cpu_moe=99)
+    stock, *_ = greedy(model, STREAM)
+    out = {}
+    for uploads in ("inline", "stream"):
+        ctx = Context(model, pool=PoolConfig(slots=4, mode="copy", bank="on", uploads=uploads))
+        result = run_context(ctx, STREAM[:8], 0, teacher_tokens=STREAM[8:], keep_logits=True)
+        rep, status = ctx.pool_report(per_pool=True), ctx.pool_status(0)
+        ctx.close()
+        out[uploads] = {"equals_host_copy": same(result.logits, stock), "bank": status.bank, "serve": status.serve,
+                        "path": status.uploads,
+                        "bank_slots": sum({info.layer: info.slots for info in rep.pools}.values()),
+                        **report(rep.counters, status)}
+    seqs = [STREAM[:24], STREAM[24:48]]
+    stock_seqs, _ = sequences(model, seqs)
+    pooled_seqs, counters = sequences(model, seqs, PoolConfig(slots=8, mode="copy", bank="on"))
+    model.close()
+    out["two-sequences"] = {"equals_host_copy": same(pooled_seqs, stock_seqs), **report(counters)}
+    return out
+
+
+CHECKS = {"bank": check_bank, "prefetch": check_prefetch, "uploads": check_uploads, "parity": check_parity, "prefill": check_prefill, "hybrid": check_hybrid, "pinned": check_pinned, "two-sequences": check_two_sequences,
           "gate": check_gate, "two-contexts": check_two_contexts}
 
 if __name__ == "__main__":

@@ -241,10 +241,11 @@ class PoolConfig:
         on a slow link the CPU computing a share of the misses wins), "device" (the device's path
         wherever it can run, untimed, and a device that cannot says why) or "host" (the host reads each
         step's ids: copy or hybrid mode; LLAMA_MOE_POOL_SERVE).
-    bank: "off" (the default: a pool per layer) or "on": in copy mode, where the device serves every
-        pooled layer itself, its slots are one bank over (layer, expert), so the memory goes to the
-        layers whose routing is least local; elsewhere a pool per layer, and the status says why
-        (LLAMA_MOE_POOL_BANK).
+    bank: "off" (the default: a pool per layer) or "on": in copy mode a device's slots are one bank
+        over (layer, expert), so the memory goes to the layers whose routing is least local; the
+        device's path runs its LRU over it, the host's path the pool's policy. In hybrid mode, with
+        the yield gate, or for layers that differ in layout, a pool per layer, and the status says
+        why (LLAMA_MOE_POOL_BANK).
     """
     slots: int | tuple[int, ...] | str = 0
     rail_mib: int | None = None
@@ -459,7 +460,7 @@ class PoolStatus:
     serve: str = "host"
     serve_reason: str = ""
     #: whether the device's slots are one bank for its layers ("on") or a pool per layer ("off"), and
-    #: why not where a bank was asked for ("hybrid", "serve", "layout", "one-layer")
+    #: why not where a bank was asked for ("hybrid", "gate", "serve", "layout", "one-layer", "size")
     bank: str = "off"
     bank_reason: str = ""
 

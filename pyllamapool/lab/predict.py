@@ -43,9 +43,13 @@ from ..errors import PyllamapoolError
 from . import arbiter, placement, policies, prefetch, synth
 from ..run.trace import Trace
 
-MODES = ("stock", "copy", "hybrid", "device", "merged-lru", "lrfu", "cpu-share", "auto")
+MODES = ("stock", "copy", "hybrid", "device", "bank", "merged-lru", "lrfu", "cpu-share", "auto")
 #: the device-side path: the device finds and fetches each step's misses (`serve=device`)
 DEVICE_MODE = "device"
+#: one bank of slots for the layers (`LLAMA_MOE_POOL_BANK=on`, copy mode): the device's path runs its
+#: LRU over (layer, expert) where it reads the experts in place, else the host's copy mode the adaptive
+#: policy over it
+BANK_MODE = "bank"
 #: the device-side path's fixed cost per pooled layer and token: its two kernels' launches inside a
 #: captured CUDA graph (a launch outside one measured 4.7 us on the H200; inside one it is a fraction)
 FETCH_LAUNCH_US = 2.0
@@ -422,6 +426,19 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
             hit = hit_rate if hit_rate is not None else _rate(routing.replayed(("lru", n_slots), lambda: [
                 policies.lru(steps, n_slots) for steps in routing.layers]))[0]
             row(mode, hit, _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
+        elif mode == BANK_MODE:
+            # the slots of every layer in one bank: the device's LRU where it reads pinned experts in
+            # place, else the host's adaptive policy (pageable pages: the host serves, as copy mode does)
+            n_total = n_slots * len(routing.layers)
+            if pinned:
+                hit = hit_rate if hit_rate is not None else routing.replayed(
+                    ("global-lru", n_slots), lambda: policies.global_lru(routing.layers, n_total)).hit_rate
+                parts, setting = _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), "device (an LRU bank)"
+            else:
+                hit = hit_rate if hit_rate is not None else routing.replayed(
+                    ("bank", n_slots), lambda: policies.bank(routing.layers, n_total)).hit_rate
+                parts, setting = _parts_at_hit_rate(g, c, "copy", hit, k), "host (pageable experts)"
+            row(mode, hit, parts, 0.0, L * k * (1 - hit) * g.expert_bytes, setting)
         elif mode == "merged-lru":
             if hit_rate is not None:
                 hit = hit_rate
