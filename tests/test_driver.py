@@ -139,6 +139,13 @@ def test_a_second_build_can_hold_only_what_the_suite_loads_from_it():
         buildsys.configure_target("cpu", only="server")
 
 
+def test_sanitized_builds_optimize_less_and_plain_builds_keep_release_flags():
+    for kind in buildsys.SANITIZERS:
+        flags = buildsys.configure_target("cpu", sanitize=kind).cmake_flags
+        assert "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" in flags and "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG" in flags
+    assert not any("FLAGS_RELEASE" in f for f in buildsys.configure_target("cpu").cmake_flags)
+
+
 @pytest.mark.parametrize("target,arch,expected", [
     ("cuda", "86;90", "86;90"), ("cuda", "86,90", "86;90"), ("hip", "gfx906;gfx1100", "gfx906;gfx1100"),
     ("gfx906", None, "gfx906"),
