@@ -798,16 +798,15 @@ def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_m
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
     result, report, status, lines = decode(model, stream, banked(slots=4, **config), n_prompt=1)
+    # asked for and not made: a warning too, once, saying what would make one where something can
+    ctx = Context(model, pool=banked(slots=4, **config))
+    warned = [line for line in ctx.init_log if "no slot bank on" in line]
+    ctx.close()
     model.close()
     assert status.bank == "off" and status.bank_reason == reason
     assert any(f" bank=off({reason})" in l for l in lines if l.startswith("expert pool status=enabled"))
     assert report.counters.evictions > 0
     assert identical(result, ref), f"{config}: the logits changed"
-    # asked for and not made: a warning too, once, saying what would make one where something can
-    ctx = Context(model := on_lazy(qwen3_model, cpu_moe=True), pool=banked(slots=4, **config))
-    warned = [line for line in ctx.init_log if "no slot bank on" in line]
-    ctx.close()
-    model.close()
     assert len(warned) == 1 and f"({reason})" in warned[0], warned
     assert ("--moe-pool-mode copy" in warned[0]) == (reason == "hybrid"), warned
 

@@ -242,9 +242,9 @@ def configure_target(target: str, arch: str | None = None, build_dir: Path | Non
         cfg.cmake_flags += flags
     ccache = _ccache()
     if ccache:
-        # the launcher named outright: a pyenv shim in front of it costs ~80 ms a compile
-        cfg.cmake_flags += ["-DGGML_CCACHE=ON", f"-DCMAKE_C_COMPILER_LAUNCHER={ccache}",
-                            f"-DCMAKE_CXX_COMPILER_LAUNCHER={ccache}"]
+        # the launcher named outright (ggml's own GGML_CCACHE lookup then stands aside): a pyenv shim
+        # in front of it costs ~80 ms a compile
+        cfg.cmake_flags += [f"-DCMAKE_C_COMPILER_LAUNCHER={ccache}", f"-DCMAKE_CXX_COMPILER_LAUNCHER={ccache}"]
         # paths below the checkout are hashed relative to it: another clone (CI's fresh one) reuses
         # the objects a build in this one cached
         if "CCACHE_BASEDIR" not in os.environ:
