@@ -811,6 +811,43 @@ def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_m
     assert ("--moe-pool-mode copy" in warned[0]) == (reason == "hybrid"), warned
 
 
+# A Q4_K_M file gives some layers' ffn_down_exps more bits (Q6_K), so its layers have two layouts and
+# one tensor cannot hold every layer's slots: the layers of each layout share a bank of their own.
+MIXED = [(("F16", "Q8_0", "Q8_0"), 5, 2, 0),  # F16 down in layers 0 and 3, Q8_0 in 1, 2 and 4
+         (("F16", "F16", "F16", "Q8_0"), 4, 1, 1)]  # layer 3 alone in its layout: a pool of its own
+
+
+@pytest.mark.parametrize("down_types,n_layer,n_banks,n_own", MIXED)
+@pytest.mark.parametrize("serve", ["device", "host"])
+def test_layers_of_different_layouts_share_a_bank_per_layout_bit_identically(make_model, stream, serve, down_types,
+                                                                             n_layer, n_banks, n_own):
+    """Slots at top-k a layer: each layout's bank evicts across its own layers only; the status line
+    counts the banks and the layers left a pool of their own, and the logits equal the all-resident
+    run's. Every miss that found its bank (or its own pool) full evicted one expert, counted once."""
+    path = make_model(n_layer=n_layer, down_types=down_types)
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    result, report, status, lines = decode(model, stream, BANKED[serve](slots=4), n_prompt=1)
+    model.close()
+    assert (status.bank, status.bank_reason, status.serve) == ("on", "", serve)
+    line = next(l for l in lines if l.startswith("expert pool status=enabled"))
+    assert f" bank=on banks={n_banks} own_pools={n_own}" in line, line
+    assert identical(result, ref), f"{down_types}, {serve}: a bank per layout changed the logits"
+    c = report.counters
+    assert c.lookups == c.hits + c.misses == n_layer * SPEC.n_expert_used * c.steps
+    assert c.uploads == c.misses and c.evictions == c.misses - bank_slots(report) > 0
+
+
+def test_layers_that_share_no_layout_keep_a_pool_each_and_say_why(make_model, stream):
+    """Two layers whose ffn_down types differ: no two layers can share a tensor, so no bank."""
+    path = make_model(n_layer=2, down_types=("F16", "Q8_0"))
+    model = on_lazy(path, cpu_moe=True, repack=False)
+    _, _, status, lines = decode(model, stream[:8], host_banked(slots=4), n_prompt=1)
+    model.close()
+    assert (status.bank, status.bank_reason) == ("off", "layout")
+    assert any(" bank=off(layout)" in l for l in lines if l.startswith("expert pool status=enabled"))
+
+
 @pytest.mark.parametrize("serve", ["device", "host"])
 def test_two_devices_each_bank_their_own_layers_bit_identically(make_model, stream, serve):
     """Six layers over two devices: each device's bank holds the layers placed there, and says so,

@@ -60,6 +60,10 @@ class ModelSpec:
     n_vocab: int = 512
     n_ctx_train: int = 4096
     expert_type: str = "F16"
+    #: ffn_down_exps's type layer by layer, in turn (layer i takes down_types[i % len]): the mix a
+    #: Q4_K_M file has, where some layers' ffn_down gets more bits. Empty: expert_type. Types the
+    #: gguf package writes only
+    down_types: tuple[str, ...] = ()
     #: number of token topics; routing reuse comes from streams that stay on one topic
     n_topics: int = 8
     #: Zipf exponent of per-layer expert popularity (last layer); early layers are flatter
@@ -83,10 +87,13 @@ class ModelSpec:
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise PyllamapoolError(f"n_embd {self.n_embd} must divide by n_head {self.n_head}, and "
                                    f"n_head by n_head_kv {self.n_head_kv}")
-        block = block_size(self.expert_type)
+        if self.down_types and not (self.expert_type in NATIVE_TYPES and set(self.down_types) <= set(NATIVE_TYPES)):
+            raise PyllamapoolError(f"down_types {self.down_types!r} with {self.expert_type} experts: a mixed "
+                                   f"layout takes types the gguf package writes: {', '.join(NATIVE_TYPES)}")
+        block = max(block_size(t) for t in (self.expert_type, *self.down_types))
         for name in ("n_embd", "n_ff_exp"):
             if getattr(self, name) % block:
-                raise PyllamapoolError(f"{self.expert_type} experts need {name} to be a multiple of "
+                raise PyllamapoolError(f"{'/'.join((self.expert_type, *self.down_types))} experts need {name} to be a multiple of "
                                        f"{block}, got {getattr(self, name)}")
         if self.n_vocab < self.n_topics:
             raise PyllamapoolError(f"n_vocab {self.n_vocab} must be at least n_topics {self.n_topics}")
@@ -222,13 +229,22 @@ def new_writer(spec: ModelSpec, path: Path, file_type) -> "gguf.GGUFWriter":
     return writer
 
 
+def _expert_type_of(spec: ModelSpec, name: str, expert_type: str) -> str:
+    """The storage type of expert tensor `name`: down_types's turn for ffn_down_exps (validate lets
+    down_types only where the gguf package writes the whole file)."""
+    m = re.match(r"^blk\.(\d+)\.ffn_down_exps\.", name)
+    if m and spec.down_types:
+        return spec.down_types[int(m.group(1)) % len(spec.down_types)]
+    return expert_type
+
+
 def _write_gguf(spec: ModelSpec, path: Path, expert_type: str) -> None:
     import gguf
 
     writer = new_writer(spec, path, gguf.LlamaFileType.MOSTLY_F16 if expert_type == "F16"
                         else gguf.LlamaFileType.ALL_F32)
-    qtype = getattr(gguf.GGMLQuantizationType, expert_type)
     for name, data in _weights(spec).items():
+        qtype = getattr(gguf.GGMLQuantizationType, _expert_type_of(spec, name, expert_type))
         if _is_expert(name) and qtype != gguf.GGMLQuantizationType.F32:
             if qtype == gguf.GGMLQuantizationType.F16:
                 writer.add_tensor(name, data.astype(np.float16))
