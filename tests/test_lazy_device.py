@@ -838,6 +838,28 @@ def test_layers_of_different_layouts_share_a_bank_per_layout_bit_identically(mak
     assert c.uploads == c.misses and c.evictions == c.misses - bank_slots(report) > 0
 
 
+def test_a_layout_the_cpu_repacks_is_banked_on_the_host_beside_a_bank_the_device_serves(make_model, stream):
+    """The CPU repacks Q4_0: layers whose ffn_down is Q4_0 are read from the model file, on the host's
+    path, and the device serves the F16 layers itself. Each bank is served whole by one side, the
+    device's LRU or the host's policy, and the logits equal the all-resident run's."""
+    path = make_model(n_layer=4, down_types=("F16", "F16", "Q4_0", "Q4_0"))
+    ref = resident(path, stream, n_prompt=1)
+    model = on_lazy(path, cpu_moe=True, repack=True)
+    if not cpu_repacks_weights(model):
+        model.close()
+        pytest.skip("this CPU repacks no Q4_0 weights")
+    result, report, status, lines = decode(model, stream, banked(slots=4), n_prompt=1)
+    model.close()
+    assert (status.bank, status.bank_reason, status.serve) == ("on", "", "mixed")
+    line = next(l for l in lines if l.startswith("expert pool status=enabled"))
+    assert " bank=on banks=2 own_pools=0" in line, line
+    assert {info.layer for info in report.pools if info.from_file} == {2, 3}
+    assert identical(result, ref), "a bank on each path changed the logits"
+    c = report.counters
+    assert c.lookups == c.hits + c.misses == 4 * SPEC.n_expert_used * c.steps
+    assert c.uploads == c.misses and c.evictions == c.misses - bank_slots(report) > 0
+
+
 def test_layers_that_share_no_layout_keep_a_pool_each_and_say_why(make_model, stream):
     """Two layers whose ffn_down types differ: no two layers can share a tensor, so no bank."""
     path = make_model(n_layer=2, down_types=("F16", "Q8_0"))
