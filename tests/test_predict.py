@@ -422,6 +422,33 @@ def test_the_devices_path_waits_once_a_token_and_needs_pinned_experts():
             assert host["device"].ms_per_token == host["copy"].ms_per_token and host["device"].setting
 
 
+def test_a_file_whose_layers_mix_types_is_priced_as_a_bank_per_layout(make_model):
+    """A file whose ffn_down_exps mixes types (as Q4_K_M does): its geometry knows each layer's layout,
+    and the bank mode replays a bank per layout, a layer alone in its layout keeping its own pool, as
+    the product makes them; on either path."""
+    from pyllamapool.lab import policies
+
+    path = make_model(n_layer=5, down_types=("F16", "Q8_0", "Q8_0", "F16", "F32"))
+    prof = P.PROFILES["h200-pcie5"]
+    g = P.geometry_from_gguf(path, prof)
+    assert g.layouts == (0, 1, 1, 0, 2)
+    routing = P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=200, n_expert=16, top_k=4, n_layer=5)
+    L = routing.layers
+    for slots in (4, 8):
+        pinned = by_mode(P.predict(g, prof, routing, slots, modes=("bank",)))["bank"]
+        stats = [policies.global_lru([L[0], L[3]], 2 * slots), policies.global_lru([L[1], L[2]], 2 * slots),
+                 policies.lru(L[4], slots)]
+        assert pinned.hit_rate == sum(s.hits for s in stats) / sum(s.lookups for s in stats)
+        assert pinned.setting == "device (an LRU bank, 3 layouts)"
+        host = by_mode(P.predict(g, prof, routing, slots, modes=("bank",), pinned=False))["bank"]
+        stats = [policies.bank([L[0], L[3]], 2 * slots), policies.bank([L[1], L[2]], 2 * slots),
+                 policies.adaptive(L[4], slots, 16)]
+        assert host.hit_rate == sum(s.hits for s in stats) / sum(s.lookups for s in stats)
+    # a routing of another depth than the file's host layers is one bank, as before
+    other = P.Routing.from_preset("qwen3-30b-a3b", 0, n_tokens=50, n_expert=16, top_k=4, n_layer=4)
+    assert P.bank_groups(g, len(other.layers)) == ((0, 1, 2, 3),)
+
+
 def test_a_bank_is_priced_on_the_banks_own_replay_on_either_path():
     """The bank mode prices copy mode's slots as one bank over (layer, expert): with pinned experts the
     device's path over an LRU bank (llama.cpp's cache's hit rate at the pin, the device's costs), with

@@ -209,6 +209,10 @@ class Geometry:
     expert_bytes: int         # one expert's gate + up + down (+ bias, scale) bytes
     dense_ms: float           # the device's work per token besides the host layers' routed experts
     n_expert_tensors: int = 3  # copies per uploaded expert (2 with a fused gate_up)
+    #: each host layer's layout (its expert tensors' bytes, which differ with their types), in layer
+    #: order: the product makes a bank per layout (a Q4_K_M file's ffn_down_exps mixes two types), and
+    #: a layer alone in its layout keeps a pool of its own. Empty: one layout
+    layouts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 < self.top_k <= self.n_expert) or self.n_host_layers < 0 or self.expert_bytes <= 0:
@@ -217,6 +221,26 @@ class Geometry:
                                    f"{self.n_host_layers}, {self.expert_bytes})")
         if self.dense_ms < 0:
             raise PyllamapoolError(f"geometry {self.name}: dense_ms must be >= 0 (got {self.dense_ms})")
+
+
+def bank_groups(g: Geometry, n_layers: int) -> tuple[tuple[int, ...], ...]:
+    """The routing's layers (host layers in order) grouped as the product banks them: by layout. One
+    group where the geometry knows no layouts, or not as many as the routing has layers."""
+    if len(g.layouts) != n_layers:
+        return (tuple(range(n_layers)),)
+    groups: dict[int, list[int]] = {}
+    for i, layout in enumerate(g.layouts):
+        groups.setdefault(layout, []).append(i)
+    return tuple(tuple(group) for group in groups.values())
+
+
+def replay_bank(layers: list, n_slots: int, device: bool, n_expert: int) -> policies.PolicyStats:
+    """One bank of n_slots a layer: the device's LRU over it, or the host's adaptive policy; a layer
+    alone keeps its own pool (the device's LRU, or the adaptive policy)."""
+    if len(layers) == 1:
+        return policies.lru(layers[0], n_slots) if device else policies.adaptive(layers[0], n_slots, n_expert)
+    n_total = n_slots * len(layers)
+    return policies.global_lru(layers, n_total) if device else policies.bank(layers, n_total)
 
 
 @dataclass(frozen=True)
@@ -307,8 +331,10 @@ def geometry_from_gguf(path: str | Path, profile: HardwareProfile, n_host_layers
         on_host = sum(sizes[layer] * n_expert for layer in host)
         device_bytes = total - on_host
         dense_ms = device_bytes / profile.device_gb_s * 1e-6 + value("block_count") * BLOCK_OVERHEAD_MS
+    kinds: dict[tuple, int] = {}
+    layouts = tuple(kinds.setdefault(tuple(sorted(per_layer[layer].items())), len(kinds)) for layer in host)
     g = Geometry(name=Path(path).name, n_host_layers=layers, n_expert=n_expert, top_k=top_k,
-                 expert_bytes=expert_bytes, dense_ms=dense_ms, n_expert_tensors=n_tensors)
+                 expert_bytes=expert_bytes, dense_ms=dense_ms, n_expert_tensors=n_tensors, layouts=layouts)
     if stock_tps is not None:
         g = replace(g, dense_ms=dense_ms_from_stock(stock_tps, layers, top_k, expert_costs(g, profile)))
     return g
@@ -427,17 +453,21 @@ def predict(geometry: Geometry, profile: HardwareProfile, routing: Routing, slot
                 policies.lru(steps, n_slots) for steps in routing.layers]))[0]
             row(mode, hit, _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), 0.0, L * k * (1 - hit) * g.expert_bytes)
         elif mode == BANK_MODE:
-            # the slots of every layer in one bank: the device's LRU where it reads pinned experts in
-            # place, else the host's adaptive policy (pageable pages: the host serves, as copy mode does)
-            n_total = n_slots * len(routing.layers)
-            if pinned:
-                hit = hit_rate if hit_rate is not None else routing.replayed(
-                    ("global-lru", n_slots), lambda: policies.global_lru(routing.layers, n_total)).hit_rate
-                parts, setting = _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), "device (an LRU bank)"
+            # the slots of every layer of a layout in one bank: the device's LRU where it reads pinned
+            # experts in place, else the host's adaptive policy (pageable pages: the host serves, as
+            # copy mode does)
+            groups = bank_groups(g, len(routing.layers))
+            if hit_rate is not None:
+                hit = hit_rate
             else:
-                hit = hit_rate if hit_rate is not None else routing.replayed(
-                    ("bank", n_slots), lambda: policies.bank(routing.layers, n_total)).hit_rate
-                parts, setting = _parts_at_hit_rate(g, c, "copy", hit, k), "host (pageable experts)"
+                hit = routing.replayed(("bank", n_slots, pinned, groups), lambda: _rate(
+                    [replay_bank([routing.layers[i] for i in group], n_slots, pinned, routing.n_expert)
+                     for group in groups])[0])
+            banks = f", {len(groups)} layouts" if len(groups) > 1 else ""
+            if pinned:
+                parts, setting = _parts_at_hit_rate(g, c, DEVICE_MODE, hit, k), f"device (an LRU bank{banks})"
+            else:
+                parts, setting = _parts_at_hit_rate(g, c, "copy", hit, k), f"host (pageable experts{banks})"
             row(mode, hit, parts, 0.0, L * k * (1 - hit) * g.expert_bytes, setting)
         elif mode == "merged-lru":
             if hit_rate is not None:
