@@ -72,6 +72,9 @@ class Run:
     #: hybrid mode's prefetch: experts predicted for steps, and uploaded ahead of them
     predicted: int = 0
     prefetched: int = 0
+    #: whether the layers shared a bank of slots, and why not where they did not
+    bank: str = "off"
+    bank_reason: str = ""
 
 
 def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], Context]:
@@ -101,8 +104,10 @@ def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], C
 def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int, serve: str | None = None) -> Run:
     # hybrid with prefetch on: the default (auto) prefetches only on the stream path, where the link
     # has room, which the RPC device's inline path is not, and each architecture's router must predict
-    pool = PoolConfig(slots=slots, device_mib=65536, mode=mode, prefetch="on" if mode == "hybrid" else None,
-                      serve=serve)
+    # bank: copy mode's slots as one bank per layout for the layers a device holds
+    pool = PoolConfig(slots=slots, device_mib=65536, mode="copy" if mode == "bank" else mode,
+                      prefetch="on" if mode == "hybrid" else None, serve=serve,
+                      bank="on" if mode == "bank" else None)
     logits, ctx = scenario(model, pool)
     report = ctx.pool_report(per_pool=True)
     status = report.status
@@ -115,7 +120,7 @@ def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int,
               "reason": getattr(i, "reason", None)} for i in report.pools]
     return Run(slots, same, len(logits), diff, status.enabled, status.reason, status.mode, status.actual_slots,
                c.lookups, c.hits, c.misses, c.steps, c.bypassed_steps, c.device_experts, c.cpu_experts, pools,
-               layer_lines, c.predicted, c.prefetched)
+               layer_lines, c.predicted, c.prefetched, status.bank, status.bank_reason)
 
 
 def main(cases_file: str) -> None:

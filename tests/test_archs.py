@@ -6,7 +6,8 @@ serving each step itself (the device-side path, its default) and with the host s
 The list comes from what the tool writes (its `-moe` models), so an architecture added upstream
 joins the sweep by itself. Each model with fewer than eight experts (most have two) is widened to eight
 (top-k stays as made) and
-runs with default flags (the pool on, --cpu-moe) in both pool modes, at top-k slots and a few more,
+runs with default flags (the pool on, --cpu-moe) in both pool modes, and on the lazy device's two paths
+in copy mode over a bank of slots the layers share (LLAMA_MOE_POOL_BANK=on), at top-k slots and a few more,
 against the all-resident run on the same device: the logits must be the same bits, a pool that is
 admitted must hit and miss, and each pool says which mode it runs. Models that carry optional
 per-expert scales run once as made and once without them; gpt-oss also runs with only its expert
@@ -41,7 +42,13 @@ import archmodels  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "archs_worker.py"
 ROOT = Path(__file__).resolve().parent.parent
 N_EXPERT = 8
+#: the pool's modes, and the sweep's: copy mode again with a bank of slots shared by the layers
+#: (LLAMA_MOE_POOL_BANK=on), on the lazy device's two paths (the RPC device's is the host's path)
 MODES = ("copy", "hybrid")
+SWEEP_MODES = MODES + ("bank",)
+BANK_DEVICES = ("lazy", "lazy-host")
+#: why a bank may be off on a test model: every layer's layout differs, or one layer is pooled
+BANK_REFUSALS = ("layout", "one-layer")
 #: the loopback RPC device (synchronous copies) and the lazy-copy test device (copies that read their
 #: sources when its queue runs: an upload or a table published too early is a wrong logit there), where
 #: by default the device serves each step itself (GGML_OP_MOE_FETCH), and again with the host serving
@@ -117,6 +124,9 @@ class CaseResult:
             return f"ok (pool not admitted: {self.runs[0]['reason']})"
         if self.case.mode == "copy":
             return "ok"
+        if self.case.mode == "bank":
+            off = sorted({r["bank_reason"] for r in enabled if r["bank"] != "on"})
+            return "ok" + (f" (bank off: {', '.join(off)})" if off else "")
         # hybrid asked: which layers fell back to copy, and why
         fallback = sorted({reason for r in enabled for reason in copy_reasons(r)})
         return "ok" + (f" (copy: {', '.join(fallback)})" if fallback else "")
@@ -137,6 +147,10 @@ def mode_problems(mode: str, run: dict) -> list[str]:
     """An admitted pool says which mode it runs: copy mode runs copy; hybrid runs hybrid, or copy
     in layers it says why for (weight-before-ffn, clamped-swiglu, ...)."""
     out = []
+    if mode == "bank":
+        if run["bank"] != "on" and run["bank_reason"] not in BANK_REFUSALS:
+            out.append(f"no bank ({run['bank_reason'] or 'no reason'})")
+        mode = "copy"  # a bank is copy mode's slots
     if mode == "copy" and run["status_mode"] != "copy":
         out.append(f"status mode {run['status_mode']} in copy mode")
     elif run["status_mode"] not in MODES:
@@ -207,7 +221,8 @@ def sweep_cases(arch_filter: str = "") -> list[SweepCase]:
         variants = ["as-made"] + (["no-scales"] if has_expert_scales(path) else [])
         if arch == "gpt-oss":
             variants.append("weights-on-host")
-        cases += [SweepCase(arch, v, m, d) for v in variants for d in DEVICES for m in MODES]
+        cases += [SweepCase(arch, v, m, d) for v in variants for d in DEVICES for m in SWEEP_MODES
+                  if m != "bank" or d in BANK_DEVICES]
     return cases
 
 
@@ -408,7 +423,8 @@ def main(argv: list[str]) -> int:
         results = sweep_arch([c for c in cases if c.arch == arch])
         for variant in dict.fromkeys(c.variant for c in cases if c.arch == arch):
             for device in DEVICES:
-                cells = [results[SweepCase(arch, variant, m, device)].summary() for m in MODES]
+                cells = [results[SweepCase(arch, variant, m, device)].summary()
+                         if SweepCase(arch, variant, m, device) in results else "-" for m in SWEEP_MODES]
                 rows.append((arch, variant, device, *cells))
                 print(f"| {arch} | {variant} | {device} | {' | '.join(cells)} |", flush=True)
         print(f"<!-- {arch}: {time.monotonic() - t0:.1f} s -->", flush=True)
