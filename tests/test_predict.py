@@ -428,7 +428,10 @@ def test_a_file_whose_layers_mix_types_is_priced_as_a_bank_per_layout(make_model
     the product makes them; on either path."""
     from pyllamapool.lab import policies
 
+    from pyllamapool.run.testmodel import ModelSpec, spec_of
+
     path = make_model(n_layer=5, down_types=("F16", "Q8_0", "Q8_0", "F16", "F32"))
+    assert spec_of(path) == ModelSpec(n_layer=5, down_types=("F16", "Q8_0", "Q8_0", "F16", "F32"))
     prof = P.PROFILES["h200-pcie5"]
     g = P.geometry_from_gguf(path, prof)
     assert g.layouts == (0, 1, 1, 0, 2)

@@ -72,6 +72,10 @@ class ModelSpec:
     topic_strength: float = 3.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # a spec read back from a model's metadata (JSON) has a list here: the same spec, hashable
+        object.__setattr__(self, "down_types", tuple(self.down_types))
+
     def validate(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise PyllamapoolError(f"unknown arch {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
