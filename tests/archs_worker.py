@@ -44,6 +44,7 @@ class Case:
     device: str = "rpc"   # or "lazy" (the device serves the steps where it can), or "lazy-host"
     cpu_moe: bool = True
     cpu_overrides: tuple[str, ...] = ()
+    bank: bool = False    # ask for a bank in a mode other than "bank" (hybrid: its copy layers share one)
 
 
 @dataclass
@@ -101,13 +102,15 @@ def scenario(model: Model, pool: PoolConfig | None) -> tuple[list[np.ndarray], C
     return out, ctx
 
 
-def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int, serve: str | None = None) -> Run:
+def pooled_run(model: Model, reference: list[np.ndarray], mode: str, slots: int, serve: str | None = None,
+               bank: bool = False) -> Run:
     # hybrid with prefetch on: the default (auto) prefetches only on the stream path, where the link
     # has room, which the RPC device's inline path is not, and each architecture's router must predict
-    # bank: copy mode's slots as one bank per layout for the layers a device holds
+    # bank: copy mode's slots as one bank per layout for the layers a device holds (asked for in
+    # hybrid mode too, `bank`: the layers that run copy mode there share one)
     pool = PoolConfig(slots=slots, device_mib=65536, mode="copy" if mode == "bank" else mode,
                       prefetch="on" if mode == "hybrid" else None, serve=serve,
-                      bank="on" if mode == "bank" else None)
+                      bank="on" if mode == "bank" or bank else None)
     logits, ctx = scenario(model, pool)
     report = ctx.pool_report(per_pool=True)
     status = report.status
@@ -145,8 +148,8 @@ def main(cases_file: str) -> None:
                     if key not in models:
                         models[key] = Model(case.model, n_gpu_layers=99, **on[device], cpu_moe=case.cpu_moe,
                                             cpu_overrides=case.cpu_overrides)
-                    runs = [asdict(pooled_run(models[key], references[case.model, device], case.mode, s, serve or None))
-                            for s in case.slots]
+                    runs = [asdict(pooled_run(models[key], references[case.model, device], case.mode, s, serve or None,
+                                              bank=case.bank)) for s in case.slots]
                     result = {"id": case.id, "runs": runs}
                 except Exception as exc:  # a Python-side failure is this case's, not the worker's
                     result = {"id": case.id, "error": f"{type(exc).__name__}: {exc}"}

@@ -49,6 +49,12 @@ SWEEP_MODES = MODES + ("bank",)
 BANK_DEVICES = ("lazy", "lazy-host")
 #: why a bank may be off on a test model: every layer's layout differs, or one layer is pooled
 BANK_REFUSALS = ("layout", "one-layer")
+#: hybrid mode on those devices asks for a bank too: the layers planning finds it cannot run (their
+#: pooled experts carry biases or scales) run copy mode and share one; those it runs keep their
+#: tables, so "hybrid" is a refusal only where fewer than two layers run copy mode for those reasons.
+#: Where the biases stay on the device (weights-on-host) the graph gives the same reasons later, after
+#: the bank is laid out
+HYBRID_COPY_REASONS = ("expert-biases", "expert-scales", "cpu-layout")
 #: the loopback RPC device (synchronous copies) and the lazy-copy test device (copies that read their
 #: sources when its queue runs: an upload or a table published too early is a wrong logit there), where
 #: by default the device serves each step itself (GGML_OP_MOE_FETCH), and again with the host serving
@@ -106,6 +112,8 @@ class CaseResult:
                 elif run["hits"] == 0 or run["misses"] == 0:
                     out.append(f"slots={s}: hits={run['hits']} misses={run['misses']}")
                 out += [f"slots={s}: {p}" for p in mode_problems(self.case.mode, run)]
+                if self.case.mode == "hybrid" and self.case.device in BANK_DEVICES and self.case.variant != "weights-on-host":
+                    out += [f"slots={s}: {p}" for p in hybrid_bank_problems(run)]
         return out
 
     def summary(self) -> str:
@@ -127,9 +135,10 @@ class CaseResult:
         if self.case.mode == "bank":
             off = sorted({r["bank_reason"] for r in enabled if r["bank"] != "on"})
             return "ok" + (f" (bank off: {', '.join(off)})" if off else "")
-        # hybrid asked: which layers fell back to copy, and why
+        # hybrid asked: which layers fell back to copy, and why; whether they shared a bank
         fallback = sorted({reason for r in enabled for reason in copy_reasons(r)})
-        return "ok" + (f" (copy: {', '.join(fallback)})" if fallback else "")
+        banked = any(r["bank"] == "on" for r in enabled)
+        return "ok" + (f" (copy: {', '.join(fallback)}{'; bank' if banked else ''})" if fallback else "")
 
 
 def layer_modes(run: dict) -> list[dict[str, str]]:
@@ -158,6 +167,18 @@ def mode_problems(mode: str, run: dict) -> list[str]:
     elif mode == "hybrid" and run["status_mode"] == "copy" and not copy_reasons(run):
         out.append("runs copy in hybrid mode and says no reason")
     return out + pool_mode_problems(mode, run["pools"])
+
+
+def hybrid_bank_problems(run: dict) -> list[str]:
+    """Hybrid mode with a bank asked for: the layers it cannot run share one, unless fewer than two
+    of them do (or they share no layout), and the layers it runs keep pools of their own."""
+    planned_copy = sum(int(m.get("count", "0")) for m in layer_modes(run)
+                       if m.get("mode") == "copy" and m.get("reason") in HYBRID_COPY_REASONS)
+    if run["bank"] == "on":
+        return [] if planned_copy >= 2 else [f"a bank in hybrid mode with {planned_copy} layer(s) that run copy mode"]
+    if run["bank_reason"] in BANK_REFUSALS or (run["bank_reason"] == "hybrid" and planned_copy < 2):
+        return []
+    return [f"no bank for {planned_copy} layers that run copy mode ({run['bank_reason'] or 'no reason'})"]
 
 
 def pool_mode_problems(mode: str, pools: list[dict]) -> list[str]:
@@ -255,7 +276,7 @@ def variant_model(arch: str, variant: str) -> Path:
 def worker_case(case: SweepCase, top_k: int) -> dict:
     weights_only = case.variant == "weights-on-host"
     return {"id": case.id, "model": str(variant_model(case.arch, case.variant)), "mode": case.mode,
-            "device": case.device,
+            "device": case.device, "bank": case.mode == "hybrid" and case.device in BANK_DEVICES,
             # top-k slots (every step evicts) and a few more
             "slots": [top_k, top_k + 3], "cpu_moe": not weights_only,
             "cpu_overrides": [WEIGHTS_ONLY] if weights_only else []}

@@ -459,8 +459,9 @@ class PoolStatus:
     #: device where that was asked ("no-op", "not-pinned", "repacked", "tensors", "gate", "off")
     serve: str = "host"
     serve_reason: str = ""
-    #: whether the device's slots are one bank for its layers ("on") or a pool per layer ("off"), and
-    #: why not where a bank was asked for ("hybrid", "gate", "serve", "layout", "one-layer", "size")
+    #: whether the device's slots are one bank for its layers ("on"; in hybrid mode, for the layers that
+    #: run copy mode) or a pool per layer ("off"), and why not where a bank was asked for ("hybrid",
+    #: "gate", "serve", "layout", "one-layer", "size")
     bank: str = "off"
     bank_reason: str = ""
 
