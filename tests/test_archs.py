@@ -80,6 +80,11 @@ class SweepCase:
     def id(self) -> str:
         return f"{self.arch}/{self.variant}/{self.mode}/{self.device}"
 
+    @property
+    def hybrid_bank(self) -> bool:
+        """Hybrid mode asks for a bank where the sweep runs banks: its copy layers share one."""
+        return self.mode == "hybrid" and self.device in BANK_DEVICES
+
 
 @dataclass
 class CaseResult:
@@ -112,7 +117,7 @@ class CaseResult:
                 elif run["hits"] == 0 or run["misses"] == 0:
                     out.append(f"slots={s}: hits={run['hits']} misses={run['misses']}")
                 out += [f"slots={s}: {p}" for p in mode_problems(self.case.mode, run)]
-                if self.case.mode == "hybrid" and self.case.device in BANK_DEVICES and self.case.variant != "weights-on-host":
+                if self.case.hybrid_bank and self.case.variant != "weights-on-host":
                     out += [f"slots={s}: {p}" for p in hybrid_bank_problems(run)]
         return out
 
@@ -276,7 +281,7 @@ def variant_model(arch: str, variant: str) -> Path:
 def worker_case(case: SweepCase, top_k: int) -> dict:
     weights_only = case.variant == "weights-on-host"
     return {"id": case.id, "model": str(variant_model(case.arch, case.variant)), "mode": case.mode,
-            "device": case.device, "bank": case.mode == "hybrid" and case.device in BANK_DEVICES,
+            "device": case.device, "bank": case.hybrid_bank,
             # top-k slots (every step evicts) and a few more
             "slots": [top_k, top_k + 3], "cpu_moe": not weights_only,
             "cpu_overrides": [WEIGHTS_ONLY] if weights_only else []}

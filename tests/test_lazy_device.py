@@ -793,8 +793,9 @@ def test_a_prompt_batch_leaves_a_bank_alone_even_where_a_layers_share_holds_ever
                                            ({"gate": "yield"}, "gate")])
 def test_a_bank_the_layers_cannot_share_is_a_pool_per_layer_and_says_why(qwen3_model, stream, config, reason):
     """Hybrid mode keeps a table per layer it runs (every layer of this model: only layers that run
-    copy mode share banks), and the admission gate judges one layer's pool: with either, the bank is off, the status line says why, and the run is the per-layer pools' bit for
-    bit (each layer keeps its stretch of the bank tensor as its slots)."""
+    copy mode share banks), and the admission gate judges one layer's pool: with either, the bank is
+    off, the status line says why, and the run is the per-layer pools' bit for bit (each layer keeps
+    its stretch of the bank tensor as its slots)."""
     ref = resident(qwen3_model, stream, n_prompt=1)
     model = on_lazy(qwen3_model, cpu_moe=True)
     result, report, status, lines = decode(model, stream, banked(slots=4, **config), n_prompt=1)
