@@ -190,7 +190,7 @@ from pyllamapool.run.decode import run
 from pyllamapool.run.offload import Offload
 with logs.capture() as lines:
     result = run(sys.argv[1], list(range(1, 17)), 2, offload=Offload(n_gpu_layers=0, n_threads=int(sys.argv[2])))
-print(json.dumps({"amx": any("AMX" in text for _, text in lines), "tokens": list(result.tokens)}))
+print(json.dumps({"amx": any("AMX model buffer" in text for _, text in lines), "tokens": list(result.tokens)}))
 """
 
 
