@@ -264,6 +264,26 @@ def test_the_patch_page_lists_every_patch_and_what_each_stack_changes_as_check_p
         assert footprint.markdown() in page, footprint.line()
 
 
+def test_export_refreshes_the_patch_pages_footprints_and_keeps_its_prose():
+    from pyllamapool.native.patches import StackFootprint, refresh_patch_page
+
+    ggml = StackFootprint("ggml", 2, (("ggml/src/ggml.c", 12),), (("tests/test-x.cpp", 40),))
+    llama = StackFootprint("llama", 1, (("src/llama.cpp", 3),), ())
+    stale = ("# Patches\n\nprose before\n\n"
+             "ggml stack: 1 patches; old counts\n\n| file | | lines | |\n| --- | --- | ---: | --- |\n"
+             "| `ggml/src/gone.c` | upstream | 9 changed | |\n\nprose between\n\n"
+             "llama stack: 9 patches; old counts\n\n| file | | lines | |\n| --- | --- | ---: | --- |\n"
+             "\nprose after\n")
+    page = refresh_patch_page(stale, [ggml, llama])
+    assert page.startswith("# Patches\n\nprose before\n\n" + ggml.markdown())
+    assert "gone.c" not in page and "old counts" not in page
+    assert "\nprose between\n\n" + llama.markdown() + "\nprose after\n" in page
+    assert page.count("ggml stack: ") == page.count("llama stack: ") == 1
+    assert refresh_patch_page(page, [ggml, llama]) == page  # a current page stays as it is
+    with pytest.raises(PatchError, match="no 'llama stack: ' section"):
+        refresh_patch_page("ggml stack: x\n\n", [ggml, llama])
+
+
 def test_applying_twice_is_a_no_op(fake_project):
     root, src, pin = fake_project
     runner = Runner()

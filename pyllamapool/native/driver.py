@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import buildsys, paths, vulkan_deps
 from ..errors import PyllamapoolError
-from .patches import check_patches, export_patches, prepare
+from .patches import check_patches, export_patches, prepare, write_patch_page
 from .pin import Pin
 from .runner import Runner
 
@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
             changed = export_patches(paths.vendor_dir(), paths.patches_dir(), runner)
             console.print(f"patches/: {len(changed)} file(s) changed" +
                           (f": {', '.join(changed)}" if changed else " (up to date)"))
+            # the page's footprints are counted from the series, so they follow every export
+            page = paths.project_root() / "docs" / "patches.md"
+            if page.exists() and write_patch_page(page, paths.vendor_dir(), runner):
+                console.print("docs/patches.md: the stacks' footprints refreshed")
         elif args.command == "check-patches":
             footprints: list = []
             problems = check_patches(pin, runner, source_path=args.source, footprints=footprints)

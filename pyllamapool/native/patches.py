@@ -361,6 +361,28 @@ def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFo
     return out
 
 
+def refresh_patch_page(text: str, footprints: Sequence[StackFootprint]) -> str:
+    """docs/patches.md with each stack's footprint (its summary line and its table) as `footprints`
+    count it; the prose around them is kept. A page without a stack's section is refused: where the
+    table goes is the page's choice, not ours."""
+    for footprint in footprints:
+        found = re.search(rf"^{re.escape(footprint.stack)} stack: .*\n\n(\|.*\n)*", text, re.M)
+        if found is None:
+            raise PatchError(f"docs/patches.md has no '{footprint.stack} stack: ' section to refresh; "
+                             f"add the line where its table belongs")
+        text = text[:found.start()] + footprint.markdown() + text[found.end():]
+    return text
+
+
+def write_patch_page(page: Path, tree: Path, runner: Runner) -> bool:
+    """Refresh the footprints in `page` from the series committed in `tree`; whether it changed."""
+    old = page.read_text()
+    new = refresh_patch_page(old, stack_footprints(tree, Series.load(), runner))
+    if new != old and not runner.dry_run:
+        page.write_text(new)
+    return new != old
+
+
 def check_patches(pin: Pin, runner: Runner, *, source_path: Path | None = None,
                   root: Path | None = None, footprints: list[StackFootprint] | None = None) -> list[str]:
     """Apply the series to a fresh pristine copy, patch by patch, each onto its predecessors; return
