@@ -242,6 +242,13 @@ def test_the_series_is_two_stacks_ggml_first_and_check_patches_reports_each_foot
     # lines added plus removed: one added to the header; in the source one removed, two added
     assert llama.upstream_lines == 1 + 3
     assert "2 upstream files, 4 lines changed" in llama.line()
+    per_patch: list = []
+    assert check_patches(pin, runner, source_path=src, root=root, per_patch=per_patch) == []
+    assert [(p.stack, p.upstream, p.ours, p.new) for p in per_patch] == [
+        ("0001-ggml-a-new-file.patch", (), (), (("ggml/new.c", 3),)),
+        ("0002-llama-declare-pool.patch", (("include/llama.h", 1),), (), ()),
+        ("0003-llama-define-pool.patch", (("src/llama.cpp", 3),), (), ()),
+    ]
 
     # a ggml commit after a llama one is refused, naming both, and nothing is written
     commit_in(tree, "ggml/new.c", "int g2;\n", "ggml : later\n\nWhy: tests.")
@@ -262,6 +269,29 @@ def test_the_patch_page_lists_every_patch_and_what_each_stack_changes_as_check_p
         pytest.skip("no vendor tree: python build.py prepare")
     for footprint in stack_footprints(paths.vendor_dir(), series, Runner()):
         assert footprint.markdown() in page, footprint.line()
+
+
+def test_check_patches_counts_each_patch_apart_from_upstreams_files_the_series_own(fake_project):
+    """Per patch, a reviewer sees what it changes upstream, apart from the lines it changes in files an
+    earlier patch of the series added."""
+    root, src, pin = fake_project
+    runner = Runner()
+    tree = prepare(pin, runner, source_path=src, root=root)
+    commit_in(tree, "src/llama-pool.cpp", "int pool(void) {\n    return 0;\n}\n", "llama : a pool\n\nWhy: tests.")
+    commit_in(tree, "src/llama-pool.cpp", "int pool(void) {\n    return 1;\n}\n", "llama : a pool of one\n\nWhy: tests.")
+    commit_in(tree, "include/llama.h", "int llama(void);\nint pool(void);\n", "llama : declare pool\n\nWhy: tests.")
+    export_patches(tree, root / "patches", runner)
+    per_patch: list = []
+    footprints: list = []
+    assert check_patches(pin, runner, source_path=src, root=root, footprints=footprints, per_patch=per_patch) == []
+    assert [(p.upstream, p.ours, p.new) for p in per_patch] == [
+        ((), (), (("src/llama-pool.cpp", 3),)),
+        ((), (("src/llama-pool.cpp", 2),), ()),  # one line removed, one added, in the series' own file
+        ((("include/llama.h", 1),), (), ()),
+    ]
+    # the stack as a whole: the file is new, and upstream's header is the one upstream file
+    (llama,) = footprints
+    assert (llama.upstream, llama.ours, llama.new) == ((("include/llama.h", 1),), (), (("src/llama-pool.cpp", 3),))
 
 
 def test_export_refreshes_the_patch_pages_footprints_and_keeps_its_prose():

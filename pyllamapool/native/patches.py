@@ -303,6 +303,7 @@ class StackFootprint:
     upstream: tuple[tuple[str, int], ...]   # (path, lines added + removed)
     new: tuple[tuple[str, int], ...]        # (path, lines)
     longest: tuple[tuple[str, str, int], ...] = ()  # new C/C++ files: (path, longest function, its lines)
+    ours: tuple[tuple[str, int], ...] = ()  # files an earlier patch or stack added: (path, lines changed)
 
     @property
     def upstream_files(self) -> tuple[str, ...]:
@@ -326,37 +327,63 @@ class StackFootprint:
                 f"{sum(lines for _, lines in self.new)} lines")
 
     def markdown(self) -> str:
-        """The stack's files as docs/patches.md's table: upstream files first, then new ones."""
+        """The stack's files as docs/patches.md's table: upstream files first, then the series' own files an
+        earlier stack added, then new ones."""
         def row(*cells: str) -> str:
             return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
         rows = [row(f"`{path}`", "upstream", f"{lines} changed", "") for path, lines in self.upstream]
+        rows += [row(f"`{path}`", "series", f"{lines} changed", "") for path, lines in self.ours]
         rows += [row(f"`{path}`", "new", str(lines), self.longest_in(path)) for path, lines in self.new]
         return "\n".join([self.line(), "", row("file", "", "lines", "longest function (lines)"),
                           "| --- | --- | ---: | --- |", *rows, ""])
 
 
-def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
-    """Per stack, from a tree holding the baseline and the series as commits."""
+def _footprint(tree: Path, label: str, n_patches: int, start: str, end: str, upstream: set[str],
+               runner: Runner) -> StackFootprint:
+    """What the commits start..end change: the files they modify, upstream's (in `upstream`) apart from
+    those the series added before `start`, and the new files with their longest functions."""
+    def numstat(kind: str) -> tuple[tuple[str, int], ...]:
+        rows = git(tree, "diff", "--numstat", f"--diff-filter={kind}", start, end, runner=runner).stdout
+        return tuple((path, int(added) + int(removed))
+                     for added, removed, path in (row.split("\t", 2) for row in rows.splitlines()))
+    new = numstat("A")
+    longest = []
+    for path, _ in new:
+        if sourcesize.is_source(path):
+            found = sourcesize.longest_function(git(tree, "show", f"{end}:{path}", runner=runner).stdout)
+            if found:
+                longest.append((path, found.name, found.lines))
+    modified = numstat("M")
+    return StackFootprint(label, n_patches, tuple(row for row in modified if row[0] in upstream), new,
+                          tuple(longest), tuple(row for row in modified if row[0] not in upstream))
+
+
+def _series_commits(tree: Path, runner: Runner) -> tuple[str, list[str], set[str]]:
+    """The baseline, the series' commits in order, and the baseline's files (upstream's)."""
     base = baseline_commit(tree, runner)
     commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD", runner=runner).stdout.split()
-    out, start = [], base
+    return base, commits, set(git(tree, "ls-tree", "-r", "--name-only", base, runner=runner).stdout.splitlines())
+
+
+def stack_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
+    """Per stack, from a tree holding the baseline and the series as commits."""
+    start, commits, upstream = _series_commits(tree, runner)
+    out = []
     for stack, members in stacks(series.names).items():
         if not members:
             continue
         end = commits[series.names.index(members[-1])]
+        out.append(_footprint(tree, stack, len(members), start, end, upstream, runner))
+        start = end
+    return out
 
-        def numstat(kind: str) -> tuple[tuple[str, int], ...]:
-            rows = git(tree, "diff", "--numstat", f"--diff-filter={kind}", start, end, runner=runner).stdout
-            return tuple((path, int(added) + int(removed))
-                         for added, removed, path in (row.split("\t", 2) for row in rows.splitlines()))
-        new = numstat("A")
-        longest = []
-        for path, _ in new:
-            if sourcesize.is_source(path):
-                found = sourcesize.longest_function(git(tree, "show", f"{end}:{path}", runner=runner).stdout)
-                if found:
-                    longest.append((path, found.name, found.lines))
-        out.append(StackFootprint(stack, len(members), numstat("M"), new, tuple(longest)))
+
+def patch_footprints(tree: Path, series: Series, runner: Runner) -> list[StackFootprint]:
+    """Per patch (labelled by its file name), what it alone changes: a reviewer takes them one by one."""
+    start, commits, upstream = _series_commits(tree, runner)
+    out = []
+    for name, end in zip(series.names, commits):
+        out.append(_footprint(tree, name, 1, start, end, upstream, runner))
         start = end
     return out
 
@@ -384,9 +411,11 @@ def write_patch_page(page: Path, tree: Path, runner: Runner) -> bool:
 
 
 def check_patches(pin: Pin, runner: Runner, *, source_path: Path | None = None,
-                  root: Path | None = None, footprints: list[StackFootprint] | None = None) -> list[str]:
+                  root: Path | None = None, footprints: list[StackFootprint] | None = None,
+                  per_patch: list[StackFootprint] | None = None) -> list[str]:
     """Apply the series to a fresh pristine copy, patch by patch, each onto its predecessors; return
-    problems (empty = good). `footprints`, when given, receives what each stack changes upstream."""
+    problems (empty = good). `footprints`, when given, receives what each stack changes upstream;
+    `per_patch` what each patch does."""
     series = Series.load(paths.patches_dir(root))
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pyllamapool-check-") as tmp:
@@ -399,6 +428,8 @@ def check_patches(pin: Pin, runner: Runner, *, source_path: Path | None = None,
             return problems
         if footprints is not None:
             footprints.extend(stack_footprints(fresh, series, runner))
+        if per_patch is not None:
+            per_patch.extend(patch_footprints(fresh, series, runner))
         roundtrip = render_series(fresh, runner)
         problems += [f"round trip: {line}" for line in
                      describe_difference(current_patches(series), roundtrip)]
