@@ -289,6 +289,8 @@ def test_check_patches_counts_each_patch_apart_from_upstreams_files_the_series_o
         ((), (("src/llama-pool.cpp", 2),), ()),  # one line removed, one added, in the series' own file
         ((("include/llama.h", 1),), (), ()),
     ]
+    assert per_patch[1].patch_line().endswith(": 0 upstream files, 0 lines changed in them; "
+                                              "1 of the series' files, 2 lines changed; 0 new files, 0 lines")
     # the stack as a whole: the file is new, and upstream's header is the one upstream file
     (llama,) = footprints
     assert (llama.upstream, llama.ours, llama.new) == ((("include/llama.h", 1),), (), (("src/llama-pool.cpp", 3),))

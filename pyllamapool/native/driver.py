@@ -71,12 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
             problems = check_patches(pin, runner, source_path=args.source, footprints=footprints,
                                      per_patch=per_patch)
             for patch in per_patch:
-                new_lines = sum(lines for _, lines in patch.new)
-                ours = sum(lines for _, lines in patch.ours)
-                console.print(f"{patch.stack}: {len(patch.upstream)} upstream files, {patch.upstream_lines} lines "
-                              f"changed in them; {len(patch.ours)} of the series' files, {ours} lines changed; "
-                              f"{patch.new_files} new files, {new_lines} lines",
-                              highlight=False, soft_wrap=True)
+                console.print(patch.patch_line(), highlight=False, soft_wrap=True)
             for footprint in footprints:
                 console.print(footprint.line())
                 for path, lines in footprint.upstream:

@@ -317,14 +317,27 @@ class StackFootprint:
     def new_files(self) -> int:
         return len(self.new)
 
+    @property
+    def new_lines(self) -> int:
+        return sum(lines for _, lines in self.new)
+
+    @property
+    def ours_lines(self) -> int:
+        return sum(lines for _, lines in self.ours)
+
     def longest_in(self, path: str) -> str:
         """`name (N lines)` for a new source file's longest function, else empty."""
         return next((f"{name} ({lines})" for p, name, lines in self.longest if p == path), "")
 
     def line(self) -> str:
         return (f"{self.stack} stack: {self.patches} patches; {len(self.upstream)} upstream files, "
-                f"{self.upstream_lines} lines changed in them; {self.new_files} new files, "
-                f"{sum(lines for _, lines in self.new)} lines")
+                f"{self.upstream_lines} lines changed in them; {self.new_files} new files, {self.new_lines} lines")
+
+    def patch_line(self) -> str:
+        """One patch's footprint (labelled by its file name), the lines in the series' own files apart."""
+        return (f"{self.stack}: {len(self.upstream)} upstream files, {self.upstream_lines} lines changed in them; "
+                f"{len(self.ours)} of the series' files, {self.ours_lines} lines changed; "
+                f"{self.new_files} new files, {self.new_lines} lines")
 
     def markdown(self) -> str:
         """The stack's files as docs/patches.md's table: upstream files first, then the series' own files an
